@@ -1,0 +1,1 @@
+"""afdtool: the small CLI behind the vLLM-AFD Makefile (stdlib + git only)."""
