@@ -1,0 +1,61 @@
+"""`python3 -m afdtool <command>`: the entry point the Makefile calls."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import AfdError
+
+# command -> (module, one-line help). Modules are imported only when their command runs
+# (or when `--help` of that command is asked), so a missing optional module breaks nothing else.
+COMMANDS = {
+    "fetch": ("fetch", "download (or reuse from the cache) the pinned sdist / wheels"),
+    "apply": ("apply", "pinned source + overlay/ + patches/series -> build tree (git repo)"),
+    "export": ("export", "commits after the overlay commit -> patches/ and overlay/"),
+    "check": ("check", "series applies strictly, re-export is byte-identical, headers, compile"),
+    "wheel": ("wheel", "build the custom wheel (--variant cuda|cpu)"),
+    "venv": ("venv", "create/update a venv with torch and the custom CPU wheel"),
+    "bundle": ("bundle", "offline install bundle for the GPU host"),
+}
+
+
+def _load(command: str):
+    modname = COMMANDS[command][0]
+    try:
+        return importlib.import_module(f"afdtool.{modname}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"afdtool.{modname}":
+            raise AfdError(
+                f"command {command!r} is not available: module afdtool/{modname}.py is missing"
+            ) from None
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="afdtool", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    # Only the chosen command's module is imported to build its arguments.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        for name, (_mod, help_text) in COMMANDS.items():
+            p = sub.add_parser(name, help=help_text, description=help_text)
+            if name == chosen:
+                module = _load(name)
+                module.add_arguments(p)
+                p.set_defaults(_run=module.run)
+        args = parser.parse_args(argv)
+        return int(args._run(args) or 0)
+    except AfdError as exc:
+        print(f"afdtool: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("afdtool: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
