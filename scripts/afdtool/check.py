@@ -1,0 +1,157 @@
+"""`make check`: the series applies strictly, re-export is byte-identical, headers, compile.
+
+Runs in a temporary tree built from the cached pristine base (no network when the cache is warm).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from .apply import PatchFailed, am_series, commit_overlay, init_tree, prepare_base
+from .errors import AfdError
+from .export import changed_paths, format_patches
+from .gitutil import run_git
+from .series import Repo, add_repo_arguments, lint_series, load_repo, read_series
+
+TRAILERS = ("Upstream-Status", "Reason", "Removal")
+STATUS_RE = re.compile(r"^(Not-yet|Submitted|Never)\b")
+
+
+def patch_message(data: bytes) -> str:
+    """The commit message (subject + body) of a format-patch mail."""
+    text = data.decode("utf-8", errors="replace")
+    head, _, _ = text.partition("\n---\n")
+    lines = head.split("\n")
+    subject, body, i = "", [], 0
+    while i < len(lines) and lines[i].strip():  # mail headers
+        if lines[i].startswith("Subject: "):
+            subject = lines[i][len("Subject: "):]
+            while i + 1 < len(lines) and lines[i + 1].startswith((" ", "\t")):
+                i += 1
+                subject += lines[i]
+        i += 1
+    body = lines[i + 1:]
+    return subject + "\n\n" + "\n".join(body)
+
+
+def trailer_problems(name: str, data: bytes) -> list[str]:
+    msg = patch_message(data)
+    proc = run_git(None, "interpret-trailers", "--parse", input=msg.encode())
+    found: dict[str, str] = {}
+    for line in proc.stdout.decode(errors="replace").splitlines():
+        key, _, value = line.partition(":")
+        found.setdefault(key.strip(), value.strip())
+    problems = [f"patches/{name}: missing trailer `{t}:`" for t in TRAILERS if t not in found]
+    status = found.get("Upstream-Status")
+    if status is not None and not STATUS_RE.match(status):
+        problems.append(f"patches/{name}: Upstream-Status {status!r} must start with "
+                        "Not-yet, Submitted or Never")
+    return problems
+
+
+def compile_problems(tree: Path, paths: set[str]) -> list[str]:
+    problems = []
+    for rel in sorted(paths):
+        p = tree / rel
+        if not rel.endswith(".py") or not p.is_file():
+            continue
+        try:
+            compile(p.read_bytes(), str(rel), "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as exc:
+            line = getattr(exc, "lineno", None)
+            problems.append(f"{rel}:{line}: {exc.__class__.__name__}: {getattr(exc, 'msg', exc)}")
+    return problems
+
+
+def check(repo: Repo, source: str | None = None, keep: Path | None = None) -> bool:
+    t0 = time.monotonic()
+    results: list[tuple[str, list[str]]] = []
+    series = read_series(repo)
+    lint = lint_series(repo, series)
+    results.append(("series lists exactly the patch files, once each", lint))
+
+    headers = []
+    for name in dict.fromkeys(series.names):
+        f = repo.patches / name
+        if f.is_file():
+            headers += trailer_problems(name, f.read_bytes())
+    results.append(("every patch has Upstream-Status/Reason/Removal trailers", headers))
+
+    tmp = Path(tempfile.mkdtemp(prefix="afd-check-"))
+    try:
+        tree = tmp / "vllm"
+        apply_problems: list[str] = []
+        compiled: list[str] = []
+        export_problems: list[str] = []
+        missing = [n for n in dict.fromkeys(series.names) if not (repo.patches / n).is_file()]
+        patches = [repo.patches / n for n in dict.fromkeys(series.names) if n not in missing]
+        try:
+            pristine, _ = prepare_base(repo, source)
+            init_tree(tree, pristine)
+            touched = set(commit_overlay(tree, repo))
+            compiled += [f"after overlay: {p}" for p in compile_problems(tree, touched)]
+
+            def after_each(patch: Path, n: int) -> None:
+                touched.update(changed_paths(tree, "HEAD"))
+                compiled.extend(f"after {patch.name}: {p}" for p in compile_problems(tree, touched))
+
+            am_series(tree, patches, after_each=after_each)
+        except PatchFailed as exc:
+            apply_problems.append(str(exc))
+        except AfdError as exc:
+            apply_problems.append(str(exc))
+        results.append((f"overlay + {len(patches)} patches apply strictly", apply_problems))
+        if not apply_problems:
+            results.append(("each prefix of the series byte-compiles (touched .py files)", compiled))
+            out = tmp / "export"
+            out.mkdir()
+            produced = {p.name: p for p in format_patches(tree, out)}
+            expected = [n for n in series.names if n not in missing]
+            if list(produced) != expected:
+                export_problems.append(
+                    "re-export gives patch names " + ", ".join(produced) + " but the series has "
+                    + ", ".join(expected) + " (run `make export-patches`)")
+            for name, p in produced.items():
+                mine = repo.patches / name
+                if mine.is_file() and mine.read_bytes() != p.read_bytes():
+                    export_problems.append(f"patches/{name} differs from its re-export: "
+                                           + _first_diff(mine.read_bytes(), p.read_bytes()))
+            results.append(("re-export is byte-identical to patches/", export_problems))
+        if keep:
+            shutil.copytree(tree, keep, symlinks=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    ok = True
+    for title, problems in results:
+        print(f"{'PASS' if not problems else 'FAIL'}  {title}")
+        for p in problems:
+            print("      " + p.replace("\n", "\n      "))
+        ok = ok and not problems
+    print(f"check: {'PASS' if ok else 'FAIL'} ({len(series.names)} patches, "
+          f"{time.monotonic() - t0:.1f}s)")
+    return ok
+
+
+def _first_diff(a: bytes, b: bytes) -> str:
+    la, lb = a.split(b"\n"), b.split(b"\n")
+    for i, (x, y) in enumerate(zip(la, lb), 1):
+        if x != y:
+            return f"line {i}: {x[:80]!r} vs re-exported {y[:80]!r}"
+    return f"length {len(la)} vs re-exported {len(lb)} lines"
+
+
+def add_arguments(parser) -> None:
+    add_repo_arguments(parser)
+    parser.add_argument("--source", help="where to get the sdist (see `afdtool fetch --help`)")
+
+
+def run(args) -> int:
+    repo = load_repo(args.repo_root)
+    return 0 if check(repo, source=args.source) else 1
+
+
