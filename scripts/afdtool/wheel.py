@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import base64
+import csv
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -208,12 +210,14 @@ def write_zip(path: Path, members: list[Member], src_path: Path | None = None) -
 
 
 def record_bytes(members: list[Member], record_name: str, src_zip: zipfile.ZipFile | None) -> bytes:
-    lines = []
+    """RECORD as CSV (names with commas are quoted, like setuptools/wheel write them)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, delimiter=",", quotechar='"', lineterminator="\n")
     for m in members:
         digest, size = m.sha256_and_size(src_zip)
-        lines.append(f"{m.name},{digest},{size}")
-    lines.append(f"{record_name},,")
-    return ("\n".join(lines) + "\n").encode()
+        writer.writerow((m.name, digest, size))
+    writer.writerow((record_name, "", ""))
+    return buf.getvalue().encode()
 
 
 def order_members(members: list[Member]) -> list[Member]:
