@@ -388,7 +388,7 @@ def build(repo: Repo, tree: Path, source: str | None = None, force: bool = False
             f"files; git add -A; git am --continue (applies the rest); then "
             f"`make export-patches`.\n  (`git am --abort` returns to the last good patch.)"
         ) from None
-    state = dict(common, status="ok", head=rev_parse(tree, "HEAD"))
+    state = dict(common, status="ok", head=rev_parse(tree, "HEAD"), by="apply")
     write_state(tree, **state)
     if not quiet:
         print(f"applied overlay ({len(overlay)} files) + {len(patches)} patches -> {tree} "

@@ -22,20 +22,15 @@ STATUS_RE = re.compile(r"^(Not-yet|Submitted|Never)\b")
 
 
 def patch_message(data: bytes) -> str:
-    """The commit message (subject + body) of a format-patch mail."""
-    text = data.decode("utf-8", errors="replace")
-    head, _, _ = text.partition("\n---\n")
-    lines = head.split("\n")
-    subject, body, i = "", [], 0
-    while i < len(lines) and lines[i].strip():  # mail headers
-        if lines[i].startswith("Subject: "):
-            subject = lines[i][len("Subject: "):]
-            while i + 1 < len(lines) and lines[i + 1].startswith((" ", "\t")):
-                i += 1
-                subject += lines[i]
-        i += 1
-    body = lines[i + 1:]
-    return subject + "\n\n" + "\n".join(body)
+    """The commit message (subject + body) of a format-patch mail, as `git am -k` sees it."""
+    with tempfile.TemporaryDirectory(prefix="afd-mail-") as tmp:
+        msg, patch = Path(tmp, "msg"), Path(tmp, "patch")
+        proc = run_git(None, "mailinfo", "-k", str(msg), str(patch), input=data)
+        subject = ""
+        for line in proc.stdout.decode(errors="replace").splitlines():
+            if line.startswith("Subject: "):
+                subject = line[len("Subject: "):]
+        return subject + "\n\n" + msg.read_text(errors="replace")
 
 
 def trailer_problems(name: str, data: bytes) -> list[str]:

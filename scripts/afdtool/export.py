@@ -102,7 +102,10 @@ def export(repo: Repo, tree: Path, force: bool = False) -> list[str]:
                 f"of {len(state['series'])} patches; exporting would drop the rest. Re-run "
                 "`make apply-patches`, or pass --force if dropping them is intended."
             )
-        if (repo.root / ".git").exists():
+        # The export's own uncommitted output (state recorded by export, inputs unchanged
+        # since) is not user work; anything else uncommitted in patches/ or overlay/ is.
+        own_output = state.get("by") == "export"
+        if (repo.root / ".git").exists() and not own_output:
             dirty = status_porcelain(repo.root, "patches", "overlay")
             if dirty:
                 raise AfdError(
@@ -178,7 +181,7 @@ def export(repo: Repo, tree: Path, force: bool = False) -> list[str]:
 
     # The tree now corresponds to the exported inputs: a following apply is a no-op.
     write_state(tree, **dict(state, inputs=inputs_fingerprint(repo, source), status="ok",
-                             head=rev_parse(tree, "HEAD"), series=names,
+                             head=rev_parse(tree, "HEAD"), series=names, by="export",
                              overlay=sorted(new_overlay), format=1))
     for n in notes:
         print(f"note: {n}")
