@@ -380,11 +380,10 @@ def build(repo: Repo, tree: Path, source: str | None = None, force: bool = False
         am_series(tree, patches)
     except PatchFailed as exc:
         write_state(tree, **common, status="failed", head=rev_parse(tree, "HEAD"))
-        rel = os.path.relpath(tree)
         raise AfdError(
             f"{exc}\nThe tree is left in the `git am` state at that patch. Next step, either:\n"
             f"  - fix patches/{exc.patch.name} and re-run `make apply-patches`, or\n"
-            f"  - resolve it in the tree: cd {rel} && git am --show-current-patch=diff; edit the "
+            f"  - resolve it in the tree: cd {tree} && git am --show-current-patch=diff; edit the "
             f"files; git add -A; git am --continue (applies the rest); then "
             f"`make export-patches`.\n  (`git am --abort` returns to the last good patch.)"
         ) from None
