@@ -245,3 +245,25 @@ def test_real_pinned_series(tmp_path, monkeypatch, capsys):
     state = build(repo, tmp_path / "vllm")
     assert state["status"] == "ok"
     assert check(repo), capsys.readouterr().out
+
+
+def test_resolve_failed_patch_in_tree_then_export(warm, capsys):
+    warm.add_patch("vllm/engine.py", "return 7\n", "return 77\n", "Change f7")
+    warm.add_patch("vllm/config/__init__.py", "X = 1\n", "X = 3\n", "Change X")
+    # upstream moved: the first patch no longer applies strictly (simulated via its context)
+    patch = warm.repo / "patches" / "0001-Change-f7.patch"
+    patch.write_text(patch.read_text().replace(" def f7():", " def f7(): # moved", 1))
+    git(warm.repo, "commit", "-q", "-am", "break")
+    assert warm.run("apply") == 1
+    capsys.readouterr()
+    engine = warm.tree / "vllm" / "engine.py"
+    engine.write_text(engine.read_text().replace("return 7\n", "return 77\n"))
+    git(warm.tree, "add", "-A")
+    git(warm.tree, "am", "--continue")  # applies the rest of the series too
+    assert warm.run("export") == 0
+    out = capsys.readouterr().out
+    assert "updated patches/0001-Change-f7.patch" in out
+    assert "0002-Change-X.patch" in (warm.repo / "patches" / "series").read_text()
+    git(warm.repo, "commit", "-q", "-am", "fixed")
+    assert warm.run("check") == 0
+    assert warm.run("apply") == 0 and "up to date" in capsys.readouterr().out
