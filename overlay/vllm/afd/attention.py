@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The attention role: the remote-FFN op and its connection to the FFN rank.
+
+Per forward pass the first remote layer sends one fixed-size step-control
+message (step id, token count) and installs :class:`AFDStepMetadata` on the
+forward context; then every layer sends its FFN input and waits for the FFN
+output. Dummy, profile and warm-up passes go through the same path, so the
+FFN side mirrors them without any special case.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class AFDStepMetadata:
+    step_id: int
+    num_tokens: int
+
+
+class AttentionClient:
+    def __init__(self) -> None:
+        self.layers: list[int] = []
+        self.first = -1
+        self.last = -1
+        self.connector = None
+        self.step_id = 0
+        self.lock = threading.Lock()
+
+    def register(self, layer_idx: int) -> None:
+        self.layers.append(layer_idx)
+        self.first = min(self.layers)
+        self.last = max(self.layers)
+
+    def connect(self, vllm_config) -> None:
+        from vllm.afd.model_split import ffn_fingerprint, get_afd_config
+        from vllm.distributed.afd.base import ConnectorContext, create_attention_connector
+
+        cfg = get_afd_config(vllm_config)
+        if self.connector is not None:
+            return
+        rank = cfg.resolved_rank(vllm_config.parallel_config.data_parallel_rank)
+        ctx = ConnectorContext(
+            config=cfg,
+            rank=rank,
+            fingerprint=ffn_fingerprint(vllm_config, self.layers),
+            max_num_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
+            device=vllm_config.device_config.device,
+        )
+        connector = create_attention_connector(ctx)
+        connector.connect()
+        self.connector = connector
+        atexit.register(self.close)
+
+    def exchange(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        conn = self.connector
+        if conn is None:
+            raise RuntimeError("AFD attention role: the FFN connection is not established")
+        x = x.contiguous()
+        if layer_idx == self.first:
+            self.step_id += 1
+            conn.begin_step(self.step_id, x.shape[0])
+            _install_step_metadata(AFDStepMetadata(self.step_id, x.shape[0]))
+        conn.send(x)
+        out = conn.recv(torch.empty_like(x))
+        if layer_idx == self.last:
+            conn.end_step()
+        return out
+
+    def close(self) -> None:
+        if self.connector is not None:
+            try:
+                self.connector.close()
+            finally:
+                self.connector = None
+
+
+def _install_step_metadata(meta: AFDStepMetadata) -> None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if is_forward_context_available():
+        get_forward_context().additional_kwargs["afd"] = meta
+
+
+CLIENT = AttentionClient()
+
+
+def register_remote_layer(layer_idx: int) -> None:
+    _register_op()
+    CLIENT.register(layer_idx)
+
+
+def connect(vllm_config) -> None:
+    CLIENT.connect(vllm_config)
+
+
+def _afd_remote_ffn(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return CLIENT.exchange(hidden_states, layer_idx)
+
+
+def _afd_remote_ffn_fake(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+_registered = False
+
+
+def _register_op() -> None:
+    global _registered
+    if _registered:
+        return
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op(
+        op_name="afd_remote_ffn",
+        op_func=_afd_remote_ffn,
+        mutates_args=[],
+        fake_impl=_afd_remote_ffn_fake,
+    )
+    _registered = True

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The FFN role in EngineCore and in the frontend.
+
+An FFN engine builds the executor only (the worker's FFN model runner starts
+serving once its weights are loaded): no KV cache, no scheduler, no
+structured-output manager. Its busy loop still answers utility calls (health,
+shutdown); generation requests are refused by the frontend with a clear
+error; a failure of the serve loop ends the engine with that error.
+"""
+
+from __future__ import annotations
+
+import queue
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+FFN_REFUSAL = (
+    "this vLLM server is an AFD FFN rank: it serves FFN layers to its attention "
+    "servers and does not take generation requests. Send requests to the "
+    "attention server."
+)
+
+
+def is_ffn_role(vllm_config) -> bool:
+    cfg = getattr(vllm_config, "afd_config", None)
+    return cfg is not None and cfg.is_ffn
+
+
+class _NoStructuredOutput:
+    def clear_backend(self) -> None:
+        pass
+
+
+class FFNRoleScheduler:
+    """Stands in for the scheduler of an FFN engine: it never has work."""
+
+    connector = None
+    kv_cache_config = None
+
+    def has_requests(self) -> bool:
+        return False
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def get_num_unfinished_requests(self) -> int:
+        return 0
+
+    def finish_requests(self, request_ids, finished_status):
+        return []
+
+    def add_request(self, request) -> None:
+        raise ValueError(FFN_REFUSAL)
+
+    def get_kv_connector(self):
+        return None
+
+    def get_ec_connector(self):
+        return None
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+def setup_ffn_engine_core(engine) -> None:
+    """Finish ``EngineCore.__init__`` for the FFN role (executor already built)."""
+    engine.structured_output_manager = _NoStructuredOutput()
+    engine.scheduler = FFNRoleScheduler()
+    engine.use_spec_decode = False
+    engine.check_for_draft_tokens = False
+    engine.batch_queue_size = 1
+    engine.batch_queue = None
+    engine.is_ec_consumer = True
+    engine.is_pooling_model = False
+    engine.request_block_hasher = None
+    engine.mm_receiver_cache = None
+    engine.step_fn = lambda: ({}, False)
+    engine.async_scheduling = False
+    engine.aborts_queue = queue.Queue()
+    engine._idle_state_callbacks = []
+
+    def on_fatal(message: str) -> None:
+        logger.error("AFD FFN rank failed: %s", message)
+        engine.afd_ffn_error = message
+        input_queue = getattr(engine, "input_queue", None)
+        if input_queue is not None:
+            from vllm.v1.engine import EngineCoreRequestType
+
+            input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, b""))
+
+    engine.afd_ffn_error = None
+    engine.model_executor.collective_rpc(_register_fatal_callback, args=(on_fatal,))
+    logger.info("AFD FFN role: engine core ready (no KV cache, no scheduler)")
+
+
+def _register_fatal_callback(worker, callback) -> None:
+    runner = worker.model_runner
+    runner.on_fatal.append(callback)
+    if runner.error is not None:
+        callback(runner.error)
+
+
+def reject_generation(vllm_config) -> None:
+    """Frontend hook: refuse generation on an FFN server with a clear error."""
+    if is_ffn_role(vllm_config):
+        raise ValueError(FFN_REFUSAL)

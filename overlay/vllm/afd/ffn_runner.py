@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The FFN role's model runner and serve loop.
+
+The runner builds only the FFN blocks (see ``vllm.afd.model_split``), keeps no
+KV cache, and serves per-layer FFN calls: for every step it receives the
+step-control message of each ready attention rank, then layer by layer
+receives their hidden states, runs the block on all of them at once
+(attention ranks that are ready together share one FFN pass), and sends each
+rank its rows back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# FFN runners of this process (in-process engines, tests and tools).
+ACTIVE: list[FFNModelRunner] = []
+
+
+class FFNModelRunner:
+    def __init__(self, vllm_config, device: torch.device):
+        from vllm.afd.model_split import get_afd_config
+
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.device = device
+        self.afd_config = get_afd_config(vllm_config)
+        self.dtype = self.model_config.dtype
+        self.hidden_size = self.model_config.get_hidden_size()
+        self.model = None
+        self.modules: dict[int, torch.nn.Module] = {}
+        self.connector = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.error: str | None = None
+        self.steps_served = 0
+        self.on_fatal: list[Callable[[str], None]] = []
+        ACTIVE.append(self)
+
+    # -- vLLM worker interface --------------------------------------------
+    def load_model(self, load_dummy_weights: bool = False, **kwargs) -> None:
+        from vllm.afd.model_split import STATE
+        from vllm.model_executor.model_loader import get_model_loader
+
+        t0 = time.perf_counter()
+        load_config = self.vllm_config.load_config
+        if load_dummy_weights:
+            load_config.load_format = "dummy"
+        loader = get_model_loader(load_config)
+        self.model = loader.load_model(
+            vllm_config=self.vllm_config, model_config=self.model_config
+        )
+        self.modules = dict(sorted(STATE.ffn_modules.items()))
+        n_params = sum(
+            p.numel() for m in self.modules.values() for p in m.parameters()
+        )
+        logger.info(
+            "AFD FFN role: built %d FFN blocks (layers %s, %.2f M parameters) in %.1f s",
+            len(self.modules), list(self.modules), n_params / 1e6, time.perf_counter() - t0,
+        )
+        self.start_serving()
+
+    def get_model(self):
+        return self.model
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    # Caches and adapters the FFN role does not have.
+    is_pooling_model = False
+    lora_config = None
+    kv_caches: list = []
+
+    def reset_mm_cache(self) -> None:
+        pass
+
+    def reset_encoder_cache(self) -> None:
+        pass
+
+    def take_draft_token_ids(self):
+        return None
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def execute_model(self, *args, **kwargs):
+        raise RuntimeError("AFD FFN role: the FFN model runner does not execute steps")
+
+    # -- serving -------------------------------------------------------------
+    def start_serving(self) -> None:
+        from vllm.afd.model_split import ffn_fingerprint
+        from vllm.distributed.afd.base import ConnectorContext, create_ffn_connector
+
+        cfg = self.afd_config
+        rank = cfg.resolved_rank(self.vllm_config.parallel_config.data_parallel_rank)
+        ctx = ConnectorContext(
+            config=cfg,
+            rank=rank,
+            fingerprint=ffn_fingerprint(self.vllm_config, list(self.modules)),
+            max_num_tokens=int(self.vllm_config.scheduler_config.max_num_batched_tokens),
+            device=self.device,
+        )
+        self.connector = create_ffn_connector(ctx)
+        self.connector.start()
+        self._thread = threading.Thread(target=self._serve, name="afd-ffn-serve", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            if self.device.type == "cuda":
+                torch.accelerator.set_device_index(self.device.index or 0)
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    ready = self.connector.wait_step(timeout=0.2)
+                    if ready:
+                        self._run_step(ready)
+        except Exception as e:  # noqa: BLE001 - reported to the engine
+            if self._stop.is_set():
+                return
+            self.error = f"{type(e).__name__}: {e}"
+            logger.error("AFD FFN serve loop stopped: %s", self.error)
+            for cb in self.on_fatal:
+                cb(self.error)
+
+    def _run_step(self, ready) -> None:
+        from vllm.forward_context import set_forward_context
+
+        counts = [p.control.num_tokens for p in ready]
+        total = sum(counts)
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        x = torch.empty((total, self.hidden_size), dtype=self.dtype, device=self.device)
+        with set_forward_context(None, self.vllm_config, num_tokens=total):
+            for module in self.modules.values():
+                for i, peer in enumerate(ready):
+                    self.connector.recv(peer, x[offsets[i] : offsets[i + 1]])
+                y = module(x)
+                for i, peer in enumerate(ready):
+                    self.connector.send(peer, y[offsets[i] : offsets[i + 1]])
+        self.steps_served += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.connector is not None:
+            self.connector.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def shutdown(self) -> None:
+        self.stop()

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Split a model between the AFD attention and FFN roles.
+
+Models mark their FFN block with one call at construction time::
+
+    self.mlp = afd_ffn_module(LlamaMLP)(hidden_size=..., prefix=f"{prefix}.mlp")
+
+Without AFD ``afd_ffn_module(cls)`` is ``cls``. With AFD:
+
+* attention role: the block becomes a weightless :class:`RemoteFFN` whose
+  forward is the opaque op ``torch.ops.vllm.afd_remote_ffn`` (safe under
+  torch.compile); checkpoint weights of the block are filtered out at load.
+* FFN role: the whole model is constructed on the ``meta`` device except the
+  FFN blocks, so memory holds only MLP/MoE weights; weight loading into the
+  meta parts is a no-op and post-load processing runs on the FFN blocks only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from vllm.config.afd import AFDConfig
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+META = torch.device("meta")
+
+
+# Process-wide AFD state of the model being built / served.
+class AFDModelState:
+    def __init__(self) -> None:
+        self.real_device: torch.device | None = None
+        self.ffn_modules: dict[int, nn.Module] = {}
+        self.remote_layers: list[int] = []
+
+
+STATE = AFDModelState()
+
+
+def get_afd_config(vllm_config=None) -> AFDConfig | None:
+    if vllm_config is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+    return getattr(vllm_config, "afd_config", None) if vllm_config is not None else None
+
+
+def _layer_index(prefix: str) -> int:
+    for part in reversed(prefix.split(".")):
+        if part.isdigit():
+            return int(part)
+    raise ValueError(f"AFD: cannot find a layer index in module prefix {prefix!r}")
+
+
+class RemoteFFN:
+    """Mixin of the attention role's stand-in for an FFN block.
+
+    The stand-in is an instance of a subclass of the model's own FFN class
+    (``isinstance`` checks and attributes such as ``n_routed_experts`` that
+    model code reads keep working), constructed on the meta device and then
+    stripped of every parameter and buffer: it holds no weights, and its
+    forward sends the hidden states to the FFN rank.
+    """
+
+    afd_layer_idx: int
+    afd_prefix: str
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return torch.ops.vllm.afd_remote_ffn(hidden_states, self.afd_layer_idx)
+
+    def extra_repr(self) -> str:
+        return f"AFD remote FFN, layer={self.afd_layer_idx}"
+
+
+_REMOTE_CLASSES: dict[type, type] = {}
+
+
+def _remote_class(cls: type) -> type:
+    if cls not in _REMOTE_CLASSES:
+        _REMOTE_CLASSES[cls] = type(f"RemoteFFN_{cls.__name__}", (RemoteFFN, cls), {})
+    return _REMOTE_CLASSES[cls]
+
+
+def _strip_tensors(module: nn.Module) -> None:
+    # No weights, and nothing for post-load processing to repack.
+    for sub in module.modules():
+        sub._parameters.clear()
+        sub._buffers.clear()
+        if getattr(sub, "quant_method", None) is not None:
+            sub.quant_method = None
+
+
+def _build_remote(cls, args, kwargs, prefix: str, layer_idx: int) -> nn.Module:
+    from vllm.afd import attention  # registers the op
+
+    with META:
+        module = cls(*args, **kwargs)
+    _strip_tensors(module)
+    module.__class__ = _remote_class(cls)
+    module.afd_layer_idx = layer_idx
+    module.afd_prefix = prefix
+    attention.register_remote_layer(layer_idx)
+    STATE.remote_layers.append(layer_idx)
+    return module
+
+
+def afd_ffn_module(cls):
+    """Return a constructor for the FFN block ``cls`` that honours the AFD role."""
+    cfg = get_afd_config()
+    if cfg is None:
+        return cls
+
+    def build(*args, **kwargs):
+        prefix = kwargs.get("prefix", "")
+        layer_idx = _layer_index(prefix)
+        if cfg.is_attention:
+            return _build_remote(cls, args, kwargs, prefix, layer_idx)
+        device = STATE.real_device
+        ctx = torch.device(device) if device is not None else contextlib.nullcontext()
+        with ctx:
+            module = cls(*args, **kwargs)
+        STATE.ffn_modules[layer_idx] = module
+        return module
+
+    return build
+
+
+@contextlib.contextmanager
+def construction_device(vllm_config, target_device: torch.device):
+    """Device to construct the model on: ``meta`` for the FFN role (whose FFN
+    blocks are then built on ``target_device`` by :func:`afd_ffn_module`)."""
+    cfg = get_afd_config(vllm_config)
+    if cfg is None or not cfg.is_ffn:
+        with target_device:
+            yield
+        return
+    STATE.real_device = target_device
+    STATE.ffn_modules.clear()
+    with META:
+        yield
+
+
+def filter_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """Attention role: drop checkpoint tensors of the remote FFN blocks (a
+    model without :class:`RemoteFFN` modules is passed through)."""
+    prefixes = tuple(
+        m.afd_prefix + "." for m in model.modules() if isinstance(m, RemoteFFN)
+    )
+    if not prefixes:
+        return weights
+
+    def gen() -> Iterator[tuple[str, torch.Tensor]]:
+        dropped = 0
+        for name, tensor in weights:
+            if name.startswith(prefixes):
+                dropped += 1
+                continue
+            yield name, tensor
+        logger.info("AFD attention role: skipped %d FFN checkpoint tensors", dropped)
+
+    return gen()
+
+
+def post_load(vllm_config, model: nn.Module, model_config, target_device) -> bool:
+    """Run post-load processing for the role. Returns False when AFD does not
+    apply (the caller then runs vLLM's normal processing)."""
+    cfg = get_afd_config(vllm_config)
+    if cfg is None:
+        return False
+    if cfg.is_attention:
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        process_weights_after_loading(model, model_config, target_device)
+        from vllm.afd import attention
+
+        attention.connect(vllm_config)
+        return True
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    if not STATE.ffn_modules:
+        raise RuntimeError(
+            f"AFD FFN role: {type(model).__name__} built no FFN block; the architecture "
+            "is not AFD-enabled (see docs/adding-a-model.md)"
+        )
+    for module in STATE.ffn_modules.values():
+        process_weights_after_loading(module, model_config, target_device)
+    return True
+
+
+def ffn_fingerprint(vllm_config, ffn_layers: list[int]) -> dict:
+    """What both roles must agree on (see vllm.afd.protocol.FINGERPRINT_KEYS)."""
+    from vllm.afd.protocol import PROTOCOL_VERSION
+
+    cfg = get_afd_config(vllm_config)
+    model_config = vllm_config.model_config
+    hf = model_config.hf_text_config
+    try:
+        from vllm._afd_revision import AFD_REVISION  # written into the custom wheel
+    except ImportError:
+        AFD_REVISION = "dev"
+    archs = getattr(model_config.hf_config, "architectures", None) or ["?"]
+    return {
+        "protocol": PROTOCOL_VERSION,
+        "architecture": archs[0],
+        "num_hidden_layers": getattr(hf, "num_hidden_layers", None),
+        "hidden_size": model_config.get_hidden_size(),
+        "ffn_layers": sorted(ffn_layers),
+        "dtype": str(model_config.dtype).replace("torch.", ""),
+        "num_attention_ranks": cfg.num_attention_ranks,
+        "num_ffn_ranks": cfg.num_ffn_ranks,
+        "connector": cfg.connector,
+        "compute_gate_on_attention": cfg.compute_gate_on_attention,
+        "max_num_tokens": int(vllm_config.scheduler_config.max_num_batched_tokens),
+        "afd_revision": AFD_REVISION,
+    }

@@ -1,0 +1,266 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Configuration of Attention-FFN Disaggregation (AFD).
+
+Pure Python on purpose (no torch, no pydantic): the same module validates
+``--afd-config`` at argument-parse time, lives on ``VllmConfig.afd_config``
+and is unit-tested without a vLLM runtime.
+
+Two spellings are accepted:
+
+* ``vllm serve MODEL --afd-config '{"role": "ffn", ...}'``
+* ``vllm serve MODEL --additional-config '{"afd": {"role": "ffn", ...}}'``
+  (the shape afd-plugin users already have); giving both is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ROLES = ("attention", "ffn")
+
+# Connector names as users may write them -> canonical connector name.
+CONNECTOR_ALIASES = {
+    "gloo": "gloo",
+    "tcp": "gloo",
+    "nccl": "nccl",
+    "p2pncclafdconnector": "nccl",
+}
+
+# The largest FFN ranks count the NCCL connector serves in this release
+# (M:N with several FFN ranks needs expert parallelism between them).
+NCCL_MAX_FFN_RANKS = 1
+
+
+class AFDConfigError(ValueError):
+    """A bad AFD configuration; the message names the key and the fix."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class AFDConfig:
+    role: str
+    connector: str = "gloo"
+    host: str = "127.0.0.1"
+    port: int = 29600
+    num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
+    compute_gate_on_attention: bool = False
+    timeout_s: float = 60.0
+    connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    # Index of this process among the ranks of its role. Optional: it defaults
+    # to the data-parallel rank of the engine (0 without data parallelism).
+    rank: int | None = None
+
+    # ------------------------------------------------------------------ parse
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(cls.__dataclass_fields__)
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str = "--afd-config") -> AFDConfig:
+        if isinstance(raw, AFDConfig):
+            return raw
+        if not isinstance(raw, dict):
+            raise AFDConfigError(
+                f"{source}: expected a JSON object, got {type(raw).__name__}"
+            )
+        unknown = sorted(set(raw) - set(cls.keys()))
+        if unknown:
+            raise AFDConfigError(
+                f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"allowed keys: {', '.join(cls.keys())}"
+            )
+        if "role" not in raw:
+            raise AFDConfigError(f"{source}: 'role' is required ('attention' or 'ffn')")
+        values = dict(raw)
+        if "connector_extra_config" in values and values["connector_extra_config"] is None:
+            values["connector_extra_config"] = {}
+        cfg = cls(**values)
+        cfg.validate(source)
+        return cfg
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "--afd-config") -> AFDConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AFDConfigError(f"{source}: not valid JSON ({e.msg} at {e.pos})") from e
+        return cls.from_dict(raw, source)
+
+    @classmethod
+    def from_engine_args(
+        cls, afd_config: Any, additional_config: Any
+    ) -> AFDConfig | None:
+        """Merge the two spellings; both at once is an error."""
+        from_additional = None
+        if isinstance(additional_config, dict) and "afd" in additional_config:
+            from_additional = additional_config["afd"]
+        if afd_config is not None and from_additional is not None:
+            raise AFDConfigError(
+                "AFD is configured twice: give either --afd-config or "
+                "--additional-config '{\"afd\": ...}', not both"
+            )
+        if afd_config is not None:
+            if isinstance(afd_config, str):
+                return cls.from_json(afd_config)
+            return cls.from_dict(afd_config)
+        if from_additional is not None:
+            return cls.from_dict(from_additional, source="--additional-config afd")
+        return None
+
+    # --------------------------------------------------------------- validate
+    def validate(self, source: str = "--afd-config") -> None:
+        def fail(msg: str) -> None:
+            raise AFDConfigError(f"{source}: {msg}")
+
+        if not isinstance(self.role, str) or self.role not in ROLES:
+            fail(f"'role' must be one of {', '.join(ROLES)}; got {self.role!r}")
+        if not isinstance(self.connector, str):
+            fail(f"'connector' must be a string; got {type(self.connector).__name__}")
+        canonical = CONNECTOR_ALIASES.get(self.connector.lower())
+        if canonical is None:
+            fail(
+                f"unknown connector {self.connector!r}; known: "
+                f"{', '.join(sorted(CONNECTOR_ALIASES))}"
+            )
+        object.__setattr__(self, "connector", canonical)
+        if not isinstance(self.host, str):
+            fail(f"'host' must be a string; got {type(self.host).__name__}")
+        if not self.host.strip():
+            fail("'host' must not be empty")
+        if not _is_int(self.port):
+            fail(f"'port' must be an integer; got {self.port!r}")
+        if not 1 <= self.port <= 65535:
+            fail(f"'port' must be in 1..65535; got {self.port}")
+        for key in ("num_attention_ranks", "num_ffn_ranks"):
+            value = getattr(self, key)
+            if not _is_int(value):
+                fail(f"{key!r} must be an integer; got {value!r}")
+            if value < 1:
+                fail(f"{key!r} must be at least 1; got {value}")
+        m, n = self.num_attention_ranks, self.num_ffn_ranks
+        if m < n:
+            fail(
+                f"num_attention_ranks ({m}) must be >= num_ffn_ranks ({n}): "
+                "each FFN rank serves one or more attention ranks"
+            )
+        if m % n:
+            fail(
+                f"num_attention_ranks ({m}) must be a multiple of num_ffn_ranks ({n}) "
+                "so that every FFN rank serves the same number of attention ranks"
+            )
+        if self.port + n - 1 > 65535:
+            fail(f"FFN rank ports {self.port}..{self.port + n - 1} exceed 65535")
+        if canonical == "nccl" and n > NCCL_MAX_FFN_RANKS:
+            fail(
+                f"connector 'nccl' serves num_ffn_ranks <= {NCCL_MAX_FFN_RANKS} in this "
+                f"release; got {n} (use more attention ranks per FFN rank instead)"
+            )
+        if not isinstance(self.compute_gate_on_attention, bool):
+            fail(
+                "'compute_gate_on_attention' must be true or false; "
+                f"got {self.compute_gate_on_attention!r}"
+            )
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+            fail(f"'timeout_s' must be a number of seconds; got {self.timeout_s!r}")
+        if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            fail(f"'timeout_s' must be a positive number of seconds; got {self.timeout_s}")
+        if not isinstance(self.connector_extra_config, dict):
+            fail(
+                "'connector_extra_config' must be a JSON object; got "
+                f"{type(self.connector_extra_config).__name__}"
+            )
+        if any(not isinstance(k, str) for k in self.connector_extra_config):
+            fail("'connector_extra_config' keys must be strings")
+        if self.rank is not None:
+            if not _is_int(self.rank):
+                fail(f"'rank' must be an integer; got {self.rank!r}")
+            limit = m if self.role == "attention" else n
+            if not 0 <= self.rank < limit:
+                fail(
+                    f"'rank' {self.rank} is out of range for role {self.role!r} "
+                    f"(0..{limit - 1})"
+                )
+        secret_env = self.connector_extra_config.get("secret_env")
+        if secret_env is not None and not isinstance(secret_env, str):
+            fail("connector_extra_config.secret_env must be the name of an environment variable")
+
+    def verify_with_vllm_config(self, vllm_config: Any) -> None:
+        """Refuse combinations this release does not support (duck-typed on
+        VllmConfig so that this module needs no vLLM import)."""
+        parallel = getattr(vllm_config, "parallel_config", None)
+        if parallel is not None:
+            tp = getattr(parallel, "tensor_parallel_size", 1)
+            pp = getattr(parallel, "pipeline_parallel_size", 1)
+            if tp != 1 or pp != 1:
+                raise AFDConfigError(
+                    f"AFD: tensor/pipeline parallelism inside a role is not supported yet "
+                    f"(got tensor_parallel_size={tp}, pipeline_parallel_size={pp}); "
+                    "scale with more attention ranks instead"
+                )
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            raise AFDConfigError("AFD: speculative decoding is not supported yet")
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def is_attention(self) -> bool:
+        return self.role == "attention"
+
+    @property
+    def is_ffn(self) -> bool:
+        return self.role == "ffn"
+
+    @property
+    def attention_ranks_per_ffn(self) -> int:
+        return self.num_attention_ranks // self.num_ffn_ranks
+
+    def resolved_rank(self, data_parallel_rank: int = 0) -> int:
+        return self.rank if self.rank is not None else data_parallel_rank
+
+    def ffn_rank_of(self, attention_rank: int) -> int:
+        """FFN rank f serves attention ranks f*k .. f*k+k-1 (k = M/N)."""
+        return attention_rank // self.attention_ranks_per_ffn
+
+    def attention_ranks_of(self, ffn_rank: int) -> list[int]:
+        k = self.attention_ranks_per_ffn
+        return list(range(ffn_rank * k, (ffn_rank + 1) * k))
+
+    def ffn_port(self, ffn_rank: int) -> int:
+        return self.port + ffn_rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def compute_hash(self) -> str:
+        # Everything that changes what the model computes or which layers this
+        # process builds; the address of the peer does not.
+        factors = {
+            "role": self.role,
+            "connector": self.connector,
+            "num_attention_ranks": self.num_attention_ranks,
+            "num_ffn_ranks": self.num_ffn_ranks,
+            "compute_gate_on_attention": self.compute_gate_on_attention,
+        }
+        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:32]
+
+    def __str__(self) -> str:
+        d = self.to_dict()
+        d.pop("connector_extra_config", None)
+        return "AFDConfig(" + ", ".join(f"{k}={v!r}" for k, v in d.items()) + ")"
+
+
+def parse_afd_config_arg(text: str) -> AFDConfig:
+    """argparse ``type=`` for ``--afd-config``: errors surface at parse time."""
+    import argparse
+
+    try:
+        return AFDConfig.from_json(text)
+    except AFDConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e

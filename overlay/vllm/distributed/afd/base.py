@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+"""AFD connector interface and registry.
+
+A connector moves activations between attention ranks and FFN ranks. The
+attention side holds an :class:`AttentionConnector` (one FFN peer); the FFN
+side holds an :class:`FFNConnector` (its M/N attention peers). Control
+messages are fixed-size (see ``vllm.afd.protocol``); data sizes are agreed
+from them, so nothing is ever received into a buffer of unknown size.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm.afd.protocol import Control
+from vllm.config.afd import AFDConfig
+
+
+@dataclass
+class ConnectorContext:
+    config: AFDConfig
+    rank: int  # index of this process among the ranks of its role
+    fingerprint: dict
+    max_num_tokens: int
+    device: torch.device
+
+
+class AttentionConnector(ABC):
+    def __init__(self, ctx: ConnectorContext):
+        self.ctx = ctx
+
+    @abstractmethod
+    def connect(self) -> None:
+        """Reach the FFN rank and handshake; raise within timeout_s."""
+
+    @abstractmethod
+    def begin_step(self, step_id: int, num_tokens: int) -> None:
+        """Send the step-control message of one forward pass."""
+
+    @abstractmethod
+    def send(self, x: torch.Tensor) -> None:
+        """Send one layer's FFN input (contiguous [num_tokens, width])."""
+
+    @abstractmethod
+    def recv(self, out: torch.Tensor) -> torch.Tensor:
+        """Receive one layer's FFN output into ``out`` and return it."""
+
+    @abstractmethod
+    def end_step(self) -> None:
+        """The forward pass has received its last layer."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Say goodbye (clean stop) and release resources."""
+
+
+@dataclass
+class StepPeer:
+    """One attention rank taking part in an FFN step."""
+
+    rank: int
+    control: Control
+
+
+class FFNConnector(ABC):
+    def __init__(self, ctx: ConnectorContext):
+        self.ctx = ctx
+
+    @abstractmethod
+    def start(self) -> None:
+        """Bind and start accepting attention ranks."""
+
+    @abstractmethod
+    def wait_step(self, timeout: float) -> list[StepPeer]:
+        """Attention ranks whose step-control message has arrived (may be
+        empty after ``timeout``). Raises on a dead or silent peer."""
+
+    @abstractmethod
+    def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
+        """Receive this peer's layer input into ``out``."""
+
+    @abstractmethod
+    def send(self, peer: StepPeer, y: torch.Tensor) -> None:
+        """Send this peer's layer output."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+_ATTENTION: dict[str, Callable[[ConnectorContext], AttentionConnector]] = {}
+_FFN: dict[str, Callable[[ConnectorContext], FFNConnector]] = {}
+
+
+def register_connector(
+    name: str,
+    attention_cls: Callable[[ConnectorContext], AttentionConnector],
+    ffn_cls: Callable[[ConnectorContext], FFNConnector],
+) -> None:
+    _ATTENTION[name] = attention_cls
+    _FFN[name] = ffn_cls
+
+
+def _ensure_builtin() -> None:
+    if "gloo" not in _ATTENTION:
+        from vllm.distributed.afd import tcp  # noqa: F401  (registers itself)
+
+
+def create_attention_connector(ctx: ConnectorContext) -> AttentionConnector:
+    _ensure_builtin()
+    try:
+        return _ATTENTION[ctx.config.connector](ctx)
+    except KeyError:
+        raise ValueError(
+            f"AFD connector {ctx.config.connector!r} is not available in this build "
+            f"(available: {', '.join(sorted(_ATTENTION))})"
+        ) from None
+
+
+def create_ffn_connector(ctx: ConnectorContext) -> FFNConnector:
+    _ensure_builtin()
+    try:
+        return _FFN[ctx.config.connector](ctx)
+    except KeyError:
+        raise ValueError(
+            f"AFD connector {ctx.config.connector!r} is not available in this build "
+            f"(available: {', '.join(sorted(_ATTENTION))})"
+        ) from None

@@ -1,0 +1,453 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TCP connector for AFD on the CPU (registered as ``gloo``, alias ``tcp``).
+
+Plain sockets rather than a torch Gloo process group: every read has a
+deadline, a dead peer shows up as EOF/reset at once, sizes are bounded, and a
+stranger on the port is dropped without touching the running deployment.
+
+Rank layout: FFN rank ``f`` listens on ``host:port+f`` and serves attention
+ranks ``f*k .. f*k+k-1`` with ``k = num_attention_ranks / num_ffn_ranks``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import select
+import socket
+import threading
+import time
+
+import torch
+
+from vllm.afd.protocol import (
+    CONTROL,
+    HELLO_PREAMBLE,
+    MSG_GOODBYE,
+    MSG_HEARTBEAT,
+    MSG_STEP,
+    AFDHandshakeError,
+    AFDPeerError,
+    AFDProtocolError,
+    Control,
+    fingerprint_mismatch,
+    pack_hello,
+    parse_hello,
+    unpack_hello_preamble,
+)
+from vllm.distributed.afd.base import (
+    AttentionConnector,
+    ConnectorContext,
+    FFNConnector,
+    StepPeer,
+    register_connector,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def _secret(ctx: ConnectorContext) -> str | None:
+    env = ctx.config.connector_extra_config.get("secret_env", "VLLM_AFD_SECRET")
+    return os.environ.get(env) or None
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: float, peer: str) -> None:
+    got = 0
+    n = len(view)
+    while got < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AFDPeerError(f"AFD peer {peer} did not answer within the timeout")
+        sock.settimeout(remaining)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except TimeoutError:
+            raise AFDPeerError(f"AFD peer {peer} did not answer within the timeout") from None
+        except OSError as e:
+            raise AFDPeerError(f"lost AFD peer {peer}: {e}") from e
+        if k == 0:
+            raise AFDPeerError(f"lost AFD peer {peer}: connection closed")
+        got += k
+
+
+def _recv_bytes(sock: socket.socket, n: int, deadline: float, peer: str) -> bytes:
+    buf = bytearray(n)
+    _recv_exact_into(sock, memoryview(buf), deadline, peer)
+    return bytes(buf)
+
+
+def _tensor_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def _send_all(sock: socket.socket, data, timeout: float, peer: str) -> None:
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(data)
+    except TimeoutError:
+        raise AFDPeerError(f"AFD peer {peer} stopped reading (send timed out)") from None
+    except OSError as e:
+        raise AFDPeerError(f"lost AFD peer {peer}: {e}") from e
+
+
+def _hello_payload(ctx: ConnectorContext, role: str) -> dict:
+    payload = dict(ctx.fingerprint)
+    payload["role"] = role
+    payload["rank"] = ctx.rank
+    return payload
+
+
+def _auth_token(secret: str | None, payload: dict) -> str:
+    if not secret:
+        return ""
+    msg = f"{payload['role']}:{payload['rank']}:{payload['afd_revision']}".encode()
+    return hmac.new(secret.encode(), msg, "sha256").hexdigest()
+
+
+class TCPAttentionConnector(AttentionConnector):
+    def __init__(self, ctx: ConnectorContext):
+        super().__init__(ctx)
+        cfg = ctx.config
+        self.ffn_rank = cfg.ffn_rank_of(ctx.rank)
+        self.addr = (cfg.host, cfg.ffn_port(self.ffn_rank))
+        self.peer = f"FFN rank {self.ffn_rank} at {cfg.host}:{self.addr[1]}"
+        self.timeout = float(cfg.timeout_s)
+        self.sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._in_step = False
+        self._dead: str | None = None
+        self._closed = threading.Event()
+        self._hb: threading.Thread | None = None
+
+    # -- connection ------------------------------------------------------
+    def connect(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        last_err: Exception | None = None
+        logger.info("AFD: connecting to %s (timeout %.0f s)", self.peer, self.timeout)
+        while True:
+            try:
+                sock = socket.create_connection(self.addr, timeout=min(5.0, self.timeout))
+                break
+            except OSError as e:
+                last_err = e
+                if time.monotonic() >= deadline:
+                    raise AFDPeerError(
+                        f"could not reach AFD {self.peer} within timeout_s={self.timeout:g}: "
+                        f"{last_err}. Check that the FFN server is started with the same "
+                        "--afd-config, that host/port are right and reachable."
+                    ) from None
+                time.sleep(0.2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._handshake(sock, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="afd-heartbeat", daemon=True)
+        self._hb.start()
+        logger.info("AFD: attention rank %d connected to %s", self.ctx.rank, self.peer)
+
+    def _handshake(self, sock: socket.socket, deadline: float) -> None:
+        local = _hello_payload(self.ctx, "attention")
+        local["auth"] = _auth_token(_secret(self.ctx), local)
+        _send_all(sock, pack_hello(local), self.timeout, self.peer)
+        hello_deadline = max(deadline, time.monotonic() + 10.0)
+        n = unpack_hello_preamble(
+            _recv_bytes(sock, HELLO_PREAMBLE.size, hello_deadline, self.peer)
+        )
+        remote = parse_hello(_recv_bytes(sock, n, hello_deadline, self.peer))
+        status = remote.get("status")
+        if status != "ok":
+            raise AFDHandshakeError(f"AFD {self.peer} refused this attention rank: {status}")
+        mismatch = fingerprint_mismatch(local, remote)
+        if mismatch:
+            raise AFDHandshakeError(f"{mismatch} ({self.peer})")
+
+    def _heartbeat_loop(self) -> None:
+        interval = min(1.0, self.timeout / 4)
+        msg = Control(MSG_HEARTBEAT).pack()
+        while not self._closed.wait(interval):
+            with self._lock:
+                if self._in_step or self.sock is None or self._dead:
+                    continue
+                try:
+                    _send_all(self.sock, msg, self.timeout, self.peer)
+                except AFDPeerError as e:
+                    self._dead = str(e)
+                    logger.error("AFD: %s", e)
+
+    def _check(self) -> socket.socket:
+        if self._dead:
+            raise AFDPeerError(self._dead)
+        if self.sock is None:
+            raise AFDPeerError(f"AFD attention rank is not connected to {self.peer}")
+        return self.sock
+
+    # -- per step ----------------------------------------------------------
+    def begin_step(self, step_id: int, num_tokens: int) -> None:
+        with self._lock:
+            sock = self._check()
+            self._in_step = True
+            self._send(sock, Control(MSG_STEP, step_id, num_tokens).pack())
+
+    def _send(self, sock, data) -> None:
+        try:
+            _send_all(sock, data, self.timeout, self.peer)
+        except AFDPeerError as e:
+            self._dead = str(e)
+            raise
+
+    def send(self, x: torch.Tensor) -> None:
+        self._send(self._check(), _tensor_view(x))
+
+    def recv(self, out: torch.Tensor) -> torch.Tensor:
+        sock = self._check()
+        try:
+            _recv_exact_into(sock, _tensor_view(out), time.monotonic() + self.timeout, self.peer)
+        except AFDPeerError as e:
+            self._dead = str(e)
+            raise
+        return out
+
+    def end_step(self) -> None:
+        with self._lock:
+            self._in_step = False
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self.sock is not None:
+                if not self._dead and not self._in_step:
+                    try:
+                        _send_all(self.sock, Control(MSG_GOODBYE).pack(), 2.0, self.peer)
+                    except AFDPeerError:
+                        pass
+                self.sock.close()
+                self.sock = None
+
+
+class _Peer:
+    def __init__(self, rank: int, sock: socket.socket, addr: str):
+        self.rank = rank
+        self.sock = sock
+        self.addr = addr
+        self.last_seen = time.monotonic()
+        self.name = f"attention rank {rank} at {addr}"
+
+
+class TCPFFNConnector(FFNConnector):
+    def __init__(self, ctx: ConnectorContext):
+        super().__init__(ctx)
+        cfg = ctx.config
+        self.expected = set(cfg.attention_ranks_of(ctx.rank))
+        self.addr = (cfg.host, cfg.ffn_port(ctx.rank))
+        self.timeout = float(cfg.timeout_s)
+        self.listener: socket.socket | None = None
+        self.peers: dict[int, _Peer] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._started_at = 0.0
+        self._ever_complete = False
+        self._fatal: str | None = None
+        self._accept_thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        host, port = self.addr
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            raise AFDPeerError(f"AFD FFN rank cannot resolve host {host!r}: {e}") from e
+        family, _, _, _, sockaddr = infos[0]
+        lst = socket.socket(family, socket.SOCK_STREAM)
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            lst.bind(sockaddr)
+        except OSError as e:
+            lst.close()
+            raise AFDPeerError(
+                f"AFD FFN rank {self.ctx.rank} cannot listen on {host}:{port}: {e}. "
+                "Is another server using this port, or is the host not an address "
+                "of this machine?"
+            ) from e
+        lst.listen(16)
+        self.listener = lst
+        self._started_at = time.monotonic()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="afd-accept", daemon=True
+        )
+        self._accept_thread.start()
+        logger.info(
+            "AFD: FFN rank %d listening on %s:%d for attention ranks %s",
+            self.ctx.rank, host, port, sorted(self.expected),
+        )
+
+    # -- accepting ---------------------------------------------------------
+    def _accept_loop(self) -> None:
+        assert self.listener is not None
+        self.listener.settimeout(0.5)
+        while not self._stop.is_set():
+            try:
+                sock, addr = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            # Handshake in its own thread so that a silent stranger cannot
+            # hold up other peers.
+            threading.Thread(
+                target=self._handshake, args=(sock, f"{addr[0]}:{addr[1]}"), daemon=True
+            ).start()
+
+    def _reply(self, sock: socket.socket, status: str) -> None:
+        payload = _hello_payload(self.ctx, "ffn")
+        payload["status"] = status
+        try:
+            _send_all(sock, pack_hello(payload), 5.0, "new peer")
+        except AFDPeerError:
+            pass
+
+    def _handshake(self, sock: socket.socket, addr: str) -> None:
+        deadline = time.monotonic() + min(10.0, self.timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            n = unpack_hello_preamble(_recv_bytes(sock, HELLO_PREAMBLE.size, deadline, addr))
+            remote = parse_hello(_recv_bytes(sock, n, deadline, addr))
+        except (AFDPeerError, AFDProtocolError) as e:
+            logger.warning("AFD: dropped connection from %s: %s", addr, e)
+            sock.close()
+            return
+        secret = _secret(self.ctx)
+        if secret and not hmac.compare_digest(
+            str(remote.get("auth", "")), _auth_token(secret, remote)
+        ):
+            logger.warning("AFD: dropped connection from %s: bad shared secret", addr)
+            self._reply(sock, "authentication failed (shared secret differs)")
+            sock.close()
+            return
+        local = _hello_payload(self.ctx, "ffn")
+        mismatch = fingerprint_mismatch(local, remote)
+        rank = remote.get("rank")
+        if mismatch is None and remote.get("role") != "attention":
+            mismatch = f"peer role is {remote.get('role')!r}, expected 'attention'"
+        if mismatch is None and rank not in self.expected:
+            mismatch = (
+                f"attention rank {rank!r} is not served by FFN rank {self.ctx.rank} "
+                f"(it serves {sorted(self.expected)})"
+            )
+        if mismatch:
+            self._reply(sock, mismatch)
+            sock.close()
+            if remote.get("role") == "attention":
+                # A real attention rank of another deployment: both sides end.
+                self._set_fatal(f"{mismatch} (peer {addr})")
+            return
+        with self._lock:
+            if rank in self.peers:
+                self._reply(sock, f"attention rank {rank} is already connected")
+                sock.close()
+                return
+            self._reply(sock, "ok")
+            self.peers[rank] = _Peer(rank, sock, addr)
+            if set(self.peers) == self.expected:
+                self._ever_complete = True
+        logger.info("AFD: FFN rank %d accepted attention rank %d from %s",
+                    self.ctx.rank, rank, addr)
+
+    def _set_fatal(self, msg: str) -> None:
+        logger.error("AFD: %s", msg)
+        self._fatal = self._fatal or msg
+
+    # -- serving -------------------------------------------------------------
+    def wait_step(self, timeout: float) -> list[StepPeer]:
+        if self._fatal:
+            raise AFDPeerError(self._fatal)
+        with self._lock:
+            peers = list(self.peers.values())
+            complete = self._ever_complete
+        now = time.monotonic()
+        if not complete and now - self._started_at > self.timeout:
+            missing = sorted(self.expected - {p.rank for p in peers})
+            raise AFDPeerError(
+                f"AFD FFN rank {self.ctx.rank} on {self.addr[0]}:{self.addr[1]}: attention "
+                f"rank(s) {missing} did not connect within timeout_s={self.timeout:g}. "
+                "Start the attention server(s) with the same --afd-config."
+            )
+        if not peers:
+            time.sleep(min(timeout, 0.05))
+            return []
+        try:
+            readable, _, _ = select.select([p.sock for p in peers], [], [], timeout)
+        except (OSError, ValueError):
+            readable = [p.sock for p in peers]
+        ready: list[StepPeer] = []
+        for p in peers:
+            if p.sock in readable:
+                ctrl = self._read_control(p)
+                if ctrl is None:
+                    continue
+                ready.append(StepPeer(p.rank, ctrl))
+            elif time.monotonic() - p.last_seen > self.timeout:
+                self._drop(p)
+                raise AFDPeerError(
+                    f"lost AFD {p.name}: nothing received for {self.timeout:g} s"
+                )
+        return ready
+
+    def _read_control(self, p: _Peer) -> Control | None:
+        data = _recv_bytes(p.sock, CONTROL.size, time.monotonic() + self.timeout, p.name)
+        try:
+            ctrl = Control.unpack(data, self.ctx.max_num_tokens)
+        except AFDProtocolError as e:
+            self._drop(p)
+            raise AFDPeerError(f"AFD {p.name} broke the protocol: {e}") from e
+        p.last_seen = time.monotonic()
+        if ctrl.type == MSG_HEARTBEAT:
+            return None
+        if ctrl.type == MSG_GOODBYE:
+            logger.info("AFD: %s said goodbye", p.name)
+            self._drop(p)
+            return None
+        return ctrl
+
+    def _drop(self, p: _Peer) -> None:
+        with self._lock:
+            if self.peers.get(p.rank) is p:
+                del self.peers[p.rank]
+        try:
+            p.sock.close()
+        except OSError:
+            pass
+
+    def _peer(self, step_peer: StepPeer) -> _Peer:
+        p = self.peers.get(step_peer.rank)
+        if p is None:
+            raise AFDPeerError(f"lost AFD attention rank {step_peer.rank} during a step")
+        return p
+
+    def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
+        p = self._peer(peer)
+        _recv_exact_into(p.sock, _tensor_view(out), time.monotonic() + self.timeout, p.name)
+        p.last_seen = time.monotonic()
+
+    def send(self, peer: StepPeer, y: torch.Tensor) -> None:
+        p = self._peer(peer)
+        _send_all(p.sock, _tensor_view(y.contiguous()), self.timeout, p.name)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.listener is not None:
+            self.listener.close()
+        with self._lock:
+            for p in self.peers.values():
+                try:
+                    p.sock.close()
+                except OSError:
+                    pass
+            self.peers.clear()
+
+
+register_connector("gloo", TCPAttentionConnector, TCPFFNConnector)

@@ -1,0 +1,103 @@
+"""One vLLM engine in this process, for the CPU oracle tests.
+
+    python afd_proc.py plain     --model DIR --prompts FILE --out FILE
+    python afd_proc.py attention --model DIR --prompts FILE --out FILE --afd JSON
+    python afd_proc.py ffn       --model DIR --afd JSON
+
+``plain`` and ``attention`` generate greedily and write JSON (token ids and
+top-k logprobs per prompt); ``ffn`` serves until SIGTERM/SIGINT or until its
+serve loop fails (exit code 3, the error on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def engine_kwargs(args) -> dict:
+    kw = dict(
+        model=args.model,
+        dtype="float32",
+        enforce_eager=not args.compile,
+        max_model_len=512,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=512,
+        seed=0,
+        enable_prefix_caching=False,
+    )
+    if args.afd:
+        kw["afd_config"] = json.loads(args.afd)
+    return kw
+
+
+def generate(args) -> int:
+    from vllm import LLM, SamplingParams
+
+    with open(args.prompts) as f:
+        spec = json.load(f)
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    t_start = time.perf_counter() - t0
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, logprobs=args.logprobs, ignore_eos=True)
+        for n in spec["max_tokens"]
+    ]
+    t1 = time.perf_counter()
+    outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+    t_gen = time.perf_counter() - t1
+    result = {"start_s": t_start, "generate_s": t_gen, "outputs": []}
+    for out in outs:
+        comp = out.outputs[0]
+        lps = []
+        for tok, lp in zip(comp.token_ids, comp.logprobs or []):
+            lps.append({str(k): v.logprob for k, v in lp.items()})
+        result["outputs"].append({"token_ids": list(comp.token_ids), "text": comp.text,
+                                  "logprobs": lps})
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def serve_ffn(args) -> int:
+    from vllm import LLM
+    from vllm.afd import ffn_runner
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    signal.signal(signal.SIGINT, lambda *a: stop.set())
+    LLM(**engine_kwargs(args))
+    runner = ffn_runner.ACTIVE[-1]
+    print("AFD-FFN-READY", flush=True)
+    while not stop.wait(0.2):
+        if runner.error is not None:
+            print(f"AFD-FFN-FAILED: {runner.error}", file=sys.stderr, flush=True)
+            os._exit(3)
+    runner.stop()
+    print(f"AFD-FFN-STOPPED steps={runner.steps_served}", flush=True)
+    os._exit(0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["plain", "attention", "ffn"])
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts")
+    p.add_argument("--out")
+    p.add_argument("--afd")
+    p.add_argument("--logprobs", type=int, default=5)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
+    args = p.parse_args()
+    if args.mode == "ffn":
+        return serve_ffn(args)
+    return generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
