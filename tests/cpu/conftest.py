@@ -1,0 +1,34 @@
+"""Shared fixtures for the CPU tests (real vLLM on the CPU, in the project venv)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Environment for a vLLM engine on this CPU machine: small KV cache, engine core in-process
+# (faster start, one process per engine subprocess), no GPU-only sampler.
+VLLM_CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@pytest.fixture(scope="session")
+def models_dir() -> Path:
+    """build/models (or $AFD_MODELS_DIR), written by `make models`; fails loudly when absent."""
+    path = Path(os.environ.get("AFD_MODELS_DIR") or REPO_ROOT / "build" / "models")
+    if not path.is_dir():
+        pytest.fail(f"{path} is missing: run `make models` first", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_env() -> dict[str, str]:
+    """os.environ plus the settings for a small in-process vLLM engine on the CPU."""
+    return {**os.environ, **VLLM_CPU_ENV}
