@@ -1,0 +1,100 @@
+"""afdtool bundle: split / manifest / join, install.sh, hopper-only slimming, host-freeze."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from afdtool import bundle as B  # noqa: E402
+
+
+@pytest.mark.parametrize("size", [0, 1, 1000, 1024, 3000])
+def test_split_join_roundtrip(tmp_path, size):
+    data = os.urandom(size)
+    src = tmp_path / "bundle.tar"
+    src.write_bytes(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    parts = B.split_file(src, out, part_size=1024)
+    assert all(p.stat().st_size <= 1024 for p in parts)
+    assert len(parts) == max(1, -(-size // 1024))
+    (out / "bundle.tar.sha256").write_text(f"{B.sha256_file(src)}  bundle.tar\n")
+    B.write_manifest(out, parts)
+    assert B.verify_and_join(out, tmp_path / "joined").read_bytes() == data
+    if parts and size:
+        parts[-1].write_bytes(parts[-1].read_bytes()[:-1] + b"\0")
+        if parts[-1].read_bytes() != data[-len(parts[-1].read_bytes()) :]:
+            with pytest.raises(B.AfdError, match="sha256"):
+                B.verify_and_join(out, tmp_path / "joined2")
+
+
+def _wheel(path: Path) -> None:
+    di = "vllm-0.26.0+afd.x.dist-info"
+    names = [
+        "vllm/__init__.py",
+        "vllm/vllm-rs",
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+        "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so",
+        "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so",
+        f"{di}/METADATA",
+    ]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for n in names:
+            z.writestr(n, n.encode())
+        z.writestr(
+            f"{di}/RECORD", "".join(f"{n},sha256=x,{len(n)}\n" for n in names) + f"{di}/RECORD,,\n"
+        )
+
+
+def test_bundle_and_install_sh(tmp_path):
+    whl = tmp_path / "vllm-0.26.0+afd.x-cp38-abi3-manylinux_2_28_x86_64.whl"
+    _wheel(whl)
+    out = tmp_path / "bundle"
+    parts = B.make_bundle(whl, out, python="3.12", hopper_only=True, deps=None, part_size=700)
+    assert len(parts) > 1 and all(p.stat().st_size <= 700 for p in parts)
+    assert (out / "install.sh").stat().st_mode & 0o111
+    joined = B.verify_and_join(out, tmp_path / "b.tar")
+    import tarfile
+
+    with tarfile.open(joined) as tar:
+        names = tar.getnames()
+        slim = tar.extractfile(f"payload/wheels/{whl.name}").read()
+        dropped = tar.extractfile("payload/DROPPED.txt").read().decode().split()
+    assert sorted(dropped) == [
+        "vllm/third_party/deep_gemm/_C.cpython-311-x86_64-linux-gnu.so",
+        "vllm/vllm-rs",
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+    ]
+    assert "payload/DROPPED.txt" in names
+    (tmp_path / "slim.whl").write_bytes(slim)
+    with zipfile.ZipFile(tmp_path / "slim.whl") as z:
+        kept = set(z.namelist())
+        record = z.read("vllm-0.26.0+afd.x.dist-info/RECORD").decode()
+    assert "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" in kept and not kept & set(dropped)
+    assert not any(d in record for d in dropped)
+
+    # install.sh: a corrupted part is refused before anything is installed
+    p = out / "part-001"
+    p.write_bytes(b"x" + p.read_bytes()[1:])
+    proc = subprocess.run(
+        ["bash", str(out / "install.sh"), str(tmp_path / "site")], capture_output=True, text=True
+    )
+    assert proc.returncode != 0 and not (tmp_path / "site").exists()
+
+
+def test_host_freeze_filter(tmp_path):
+    reqs = B.read_requirements(B.DEPS_FILE)
+    assert ("lark", "1.2.2") in reqs and len(reqs) > 50
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("Lark==1.2.2\npydantic==2.0.0\n")
+    need = B.needed_deps(reqs, B.read_freeze(freeze))
+    assert ("lark", "1.2.2") not in need and ("pydantic", "2.14.4") in need
