@@ -39,6 +39,14 @@ from afdtool.wheel import (
 )
 
 PART_SIZE = 48 * 1024 * 1024
+# manylinux up to 2_35 (the host runs Python 3.12.3 on a glibc >= 2.35 distribution) and every
+# older tag: pip does not widen --platform by itself (llguidance 1.7.6 is manylinux_2_31)
+PLATFORM_ARGS = [
+    a
+    for tag in [f"manylinux_2_{m}_x86_64" for m in range(35, 4, -1)]
+    + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+    for a in ("--platform", tag)
+]
 DEPS_FILE = REPO_ROOT / "scripts" / "gpu_host_deps.txt"
 INSTALL_SH = REPO_ROOT / "scripts" / "gpu_install.sh"
 
@@ -173,8 +181,7 @@ def download_deps(reqs: list[tuple[str, str]], dest: Path, python: str) -> list[
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
         "--disable-pip-version-check", "--python-version", python,
-        "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
-        "--platform", "manylinux_2_17_x86_64", "--implementation", "cp", "--abi", abi,
+        *PLATFORM_ARGS, "--implementation", "cp", "--abi", abi,
         "--abi", "abi3", "--abi", "none", "-d", str(cache),
         *[f"{n}=={v}" for n, v in reqs],
     ]  # fmt: skip
