@@ -30,14 +30,16 @@ class AFDStepMetadata:
 class AttentionClient:
     def __init__(self) -> None:
         self.layers: list[int] = []
+        self.gated: dict[int, bool] = {}
         self.first = -1
         self.last = -1
         self.connector = None
         self.step_id = 0
         self.lock = threading.Lock()
 
-    def register(self, layer_idx: int) -> None:
+    def register(self, layer_idx: int, gated: bool = False) -> None:
         self.layers.append(layer_idx)
+        self.gated[layer_idx] = gated
         self.first = min(self.layers)
         self.last = max(self.layers)
 
@@ -61,7 +63,9 @@ class AttentionClient:
         self.connector = connector
         atexit.register(self.close)
 
-    def exchange(self, x: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    def exchange(
+        self, x: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None = None
+    ) -> torch.Tensor:
         conn = self.connector
         if conn is None:
             raise RuntimeError("AFD attention role: the FFN connection is not established")
@@ -71,6 +75,9 @@ class AttentionClient:
             conn.begin_step(self.step_id, x.shape[0])
             _install_step_metadata(AFDStepMetadata(self.step_id, x.shape[0]))
         conn.send(x)
+        if router_logits is not None:
+            # Router logits travel as float32 (exact for bf16/fp16/fp32 gates).
+            conn.send(router_logits.to(torch.float32).contiguous())
         out = conn.recv(torch.empty_like(x))
         if layer_idx == self.last:
             conn.end_step()
@@ -94,9 +101,9 @@ def _install_step_metadata(meta: AFDStepMetadata) -> None:
 CLIENT = AttentionClient()
 
 
-def register_remote_layer(layer_idx: int) -> None:
+def register_remote_layer(layer_idx: int, gated: bool = False) -> None:
     _register_op()
-    CLIENT.register(layer_idx)
+    CLIENT.register(layer_idx, gated)
 
 
 def connect(vllm_config) -> None:
@@ -108,6 +115,18 @@ def _afd_remote_ffn(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor
 
 
 def _afd_remote_ffn_fake(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+def _afd_remote_ffn_gated(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_idx: int
+) -> torch.Tensor:
+    return CLIENT.exchange(hidden_states, layer_idx, router_logits)
+
+
+def _afd_remote_ffn_gated_fake(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_idx: int
+) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
 
@@ -125,5 +144,11 @@ def _register_op() -> None:
         op_func=_afd_remote_ffn,
         mutates_args=[],
         fake_impl=_afd_remote_ffn_fake,
+    )
+    direct_register_custom_op(
+        op_name="afd_remote_ffn_gated",
+        op_func=_afd_remote_ffn_gated,
+        mutates_args=[],
+        fake_impl=_afd_remote_ffn_gated_fake,
     )
     _registered = True

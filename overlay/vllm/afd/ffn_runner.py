@@ -25,6 +25,42 @@ logger = init_logger(__name__)
 ACTIVE: list[FFNModelRunner] = []
 
 
+class _GivenRouterLogits(torch.nn.Module):
+    """Runs an MoE block with router logits computed on the attention role:
+    the block's gate (and the MoE runner's internal router) are swapped for
+    this module for the duration of one call."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        gate = block.gate
+        self.num_experts = gate.weight.shape[0]
+        self.out_dtype = getattr(gate, "out_dtype", None) or gate.weight.dtype
+        self.logits: torch.Tensor | None = None
+
+    def forward(self, block, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        self.logits = logits.to(self.out_dtype)
+        gate, runner_gate = block.gate, getattr(block.experts, "gate", None)
+        block._modules["gate"] = _LogitsStub(self)
+        if runner_gate is not None:
+            block.experts.gate = None
+        try:
+            return block(x)
+        finally:
+            block._modules["gate"] = gate
+            if runner_gate is not None:
+                block.experts.gate = runner_gate
+            self.logits = None
+
+
+class _LogitsStub(torch.nn.Module):
+    def __init__(self, owner: _GivenRouterLogits):
+        super().__init__()
+        self.__dict__["owner"] = owner
+
+    def forward(self, x: torch.Tensor):
+        return self.owner.logits, None
+
+
 class FFNModelRunner:
     def __init__(self, vllm_config, device: torch.device):
         from vllm.afd.model_split import get_afd_config
@@ -42,6 +78,8 @@ class FFNModelRunner:
         self._stop = threading.Event()
         self.error: str | None = None
         self.steps_served = 0
+        self.batched_steps = 0  # steps that served several attention ranks at once
+        self.gates: dict[int, _GivenRouterLogits] = {}
         self.on_fatal: list[Callable[[str], None]] = []
         ACTIVE.append(self)
 
@@ -59,6 +97,12 @@ class FFNModelRunner:
             vllm_config=self.vllm_config, model_config=self.model_config
         )
         self.modules = dict(sorted(STATE.ffn_modules.items()))
+        if self.afd_config.compute_gate_on_attention:
+            from vllm.afd.model_split import is_routed_moe
+
+            self.gates = {
+                i: _GivenRouterLogits(m) for i, m in self.modules.items() if is_routed_moe(m)
+            }
         n_params = sum(
             p.numel() for m in self.modules.values() for p in m.parameters()
         )
@@ -140,13 +184,24 @@ class FFNModelRunner:
             offsets.append(offsets[-1] + c)
         x = torch.empty((total, self.hidden_size), dtype=self.dtype, device=self.device)
         with set_forward_context(None, self.vllm_config, num_tokens=total):
-            for module in self.modules.values():
+            for layer_idx, module in self.modules.items():
                 for i, peer in enumerate(ready):
                     self.connector.recv(peer, x[offsets[i] : offsets[i + 1]])
-                y = module(x)
+                router = self.gates.get(layer_idx)
+                if router is None:
+                    y = module(x)
+                else:
+                    logits = torch.empty(
+                        (total, router.num_experts), dtype=torch.float32, device=self.device
+                    )
+                    for i, peer in enumerate(ready):
+                        self.connector.recv(peer, logits[offsets[i] : offsets[i + 1]])
+                    y = router.forward(module, x, logits)
                 for i, peer in enumerate(ready):
                     self.connector.send(peer, y[offsets[i] : offsets[i + 1]])
         self.steps_served += 1
+        if len(ready) > 1:
+            self.batched_steps += 1
 
     def stop(self) -> None:
         self._stop.set()

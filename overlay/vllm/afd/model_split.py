@@ -69,8 +69,14 @@ class RemoteFFN:
 
     afd_layer_idx: int
     afd_prefix: str
+    afd_gate_on_attention: bool
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.afd_gate_on_attention:
+            router_logits, _ = self.gate(hidden_states)
+            return torch.ops.vllm.afd_remote_ffn_gated(
+                hidden_states, router_logits, self.afd_layer_idx
+            )
         return torch.ops.vllm.afd_remote_ffn(hidden_states, self.afd_layer_idx)
 
     def extra_repr(self) -> str:
@@ -86,25 +92,50 @@ def _remote_class(cls: type) -> type:
     return _REMOTE_CLASSES[cls]
 
 
-def _strip_tensors(module: nn.Module) -> None:
-    # No weights, and nothing for post-load processing to repack.
+def is_routed_moe(module: nn.Module) -> bool:
+    """An MoE block whose router (``gate``) can run on the attention role."""
+    return isinstance(getattr(module, "gate", None), nn.Module) and hasattr(module, "experts")
+
+
+def _materialize(module: nn.Module, device: torch.device) -> None:
+    """Give a meta-built module real (uninitialized) storage, keeping each
+    parameter's class and attributes (weight loaders, shard dims)."""
     for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            data = torch.empty(p.shape, dtype=p.dtype, device=device)
+            new = torch.Tensor._make_subclass(type(p), data, p.requires_grad)
+            new.__dict__.update(p.__dict__)
+            sub._parameters[name] = new
+
+
+def _strip_tensors(module: nn.Module, keep: nn.Module | None = None) -> None:
+    # No weights, and nothing for post-load processing to repack.
+    kept = set(keep.modules()) if keep is not None else set()
+    for sub in module.modules():
+        if sub in kept:
+            continue
         sub._parameters.clear()
         sub._buffers.clear()
         if getattr(sub, "quant_method", None) is not None:
             sub.quant_method = None
 
 
-def _build_remote(cls, args, kwargs, prefix: str, layer_idx: int) -> nn.Module:
+def _build_remote(cls, args, kwargs, prefix: str, layer_idx: int, cfg) -> nn.Module:
     from vllm.afd import attention  # registers the op
 
     with META:
         module = cls(*args, **kwargs)
-    _strip_tensors(module)
+    gated = cfg.compute_gate_on_attention and is_routed_moe(module)
+    if gated:
+        _materialize(module.gate, STATE.real_device)
+    _strip_tensors(module, keep=module.gate if gated else None)
     module.__class__ = _remote_class(cls)
     module.afd_layer_idx = layer_idx
     module.afd_prefix = prefix
-    attention.register_remote_layer(layer_idx)
+    module.afd_gate_on_attention = gated
+    attention.register_remote_layer(layer_idx, gated)
     STATE.remote_layers.append(layer_idx)
     return module
 
@@ -119,7 +150,7 @@ def afd_ffn_module(cls):
         prefix = kwargs.get("prefix", "")
         layer_idx = _layer_index(prefix)
         if cfg.is_attention:
-            return _build_remote(cls, args, kwargs, prefix, layer_idx)
+            return _build_remote(cls, args, kwargs, prefix, layer_idx, cfg)
         device = STATE.real_device
         ctx = torch.device(device) if device is not None else contextlib.nullcontext()
         with ctx:
@@ -135,11 +166,11 @@ def construction_device(vllm_config, target_device: torch.device):
     """Device to construct the model on: ``meta`` for the FFN role (whose FFN
     blocks are then built on ``target_device`` by :func:`afd_ffn_module`)."""
     cfg = get_afd_config(vllm_config)
+    STATE.real_device = target_device
     if cfg is None or not cfg.is_ffn:
         with target_device:
             yield
         return
-    STATE.real_device = target_device
     STATE.ffn_modules.clear()
     with META:
         yield
@@ -150,16 +181,17 @@ def filter_weights(
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """Attention role: drop checkpoint tensors of the remote FFN blocks (a
     model without :class:`RemoteFFN` modules is passed through)."""
-    prefixes = tuple(
-        m.afd_prefix + "." for m in model.modules() if isinstance(m, RemoteFFN)
-    )
+    remote = [m for m in model.modules() if isinstance(m, RemoteFFN)]
+    prefixes = tuple(m.afd_prefix + "." for m in remote)
     if not prefixes:
         return weights
+    # Router weights stay on the attention role with compute_gate_on_attention.
+    kept = tuple(m.afd_prefix + ".gate." for m in remote if m.afd_gate_on_attention)
 
     def gen() -> Iterator[tuple[str, torch.Tensor]]:
         dropped = 0
         for name, tensor in weights:
-            if name.startswith(prefixes):
+            if name.startswith(prefixes) and not (kept and name.startswith(kept)):
                 dropped += 1
                 continue
             yield name, tensor
@@ -178,6 +210,9 @@ def post_load(vllm_config, model: nn.Module, model_config, target_device) -> boo
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
         process_weights_after_loading(model, model_config, target_device)
+        gated = [m for m in model.modules() if isinstance(m, RemoteFFN) and m.afd_gate_on_attention]
+        if gated:
+            logger.info("AFD: router of %d MoE layer(s) runs on the attention role", len(gated))
         from vllm.afd import attention
 
         attention.connect(vllm_config)

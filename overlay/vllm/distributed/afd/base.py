@@ -107,6 +107,8 @@ def register_connector(
 def _ensure_builtin() -> None:
     if "gloo" not in _ATTENTION:
         from vllm.distributed.afd import tcp  # noqa: F401  (registers itself)
+    if "nccl" not in _ATTENTION:
+        from vllm.distributed.afd import nccl  # noqa: F401
 
 
 def create_attention_connector(ctx: ConnectorContext) -> AttentionConnector:
@@ -115,7 +117,7 @@ def create_attention_connector(ctx: ConnectorContext) -> AttentionConnector:
         return _ATTENTION[ctx.config.connector](ctx)
     except KeyError:
         raise ValueError(
-            f"AFD connector {ctx.config.connector!r} is not available in this build "
+            f"no AFD connector named {ctx.config.connector!r} "
             f"(available: {', '.join(sorted(_ATTENTION))})"
         ) from None
 
@@ -126,6 +128,6 @@ def create_ffn_connector(ctx: ConnectorContext) -> FFNConnector:
         return _FFN[ctx.config.connector](ctx)
     except KeyError:
         raise ValueError(
-            f"AFD connector {ctx.config.connector!r} is not available in this build "
+            f"no AFD connector named {ctx.config.connector!r} "
             f"(available: {', '.join(sorted(_ATTENTION))})"
         ) from None

@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""NCCL connector for AFD on GPUs (``nccl``, alias ``P2pNcclAFDConnector``).
+
+Handshake, step control and heartbeats travel over the TCP connector's
+socket; activations travel by NCCL point-to-point (vLLM's PyNccl) on the
+current CUDA stream, so a layer exchange needs no host synchronisation.
+
+Group layout for FFN rank ``f`` serving attention ranks ``f*k .. f*k+k-1``:
+one NCCL communicator of ``k + 1`` members, FFN rank = member 0, attention
+rank ``a`` = member ``1 + a % k``. Its rendezvous store listens on the FFN
+host at ``port + num_ffn_ranks + f``.
+
+Limits of this release: a pending NCCL receive cannot be cancelled, so a peer
+that dies in the middle of a layer exchange is detected through the TCP
+control socket only at the next step; an FFN rank serves one attention
+session (restart both sides to re-join).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.afd.protocol import AFDPeerError
+from vllm.distributed.afd.base import ConnectorContext, StepPeer, register_connector
+from vllm.distributed.afd.tcp import TCPAttentionConnector, TCPFFNConnector
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def _store_port(ctx: ConnectorContext, ffn_rank: int) -> int:
+    cfg = ctx.config
+    return cfg.port + cfg.num_ffn_ranks + ffn_rank
+
+
+def _create_comm(ctx: ConnectorContext, ffn_rank: int, member: int):
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+
+    cfg = ctx.config
+    group = StatelessProcessGroup.create(
+        host=cfg.host,
+        port=_store_port(ctx, ffn_rank),
+        rank=member,
+        world_size=cfg.attention_ranks_per_ffn + 1,
+        store_timeout=int(max(cfg.timeout_s, 30)),
+    )
+    comm = PyNcclCommunicator(group, device=ctx.device)
+    if comm.disabled:
+        raise RuntimeError("AFD nccl connector: PyNccl is disabled on this device")
+    return comm
+
+
+class NCCLAttentionConnector(TCPAttentionConnector):
+    def __init__(self, ctx: ConnectorContext):
+        super().__init__(ctx)
+        self.member = 1 + ctx.rank % ctx.config.attention_ranks_per_ffn
+        self.comm = None
+
+    def connect(self) -> None:
+        super().connect()
+        self.comm = _create_comm(self.ctx, self.ffn_rank, self.member)
+        logger.info("AFD: NCCL link to %s up (member %d)", self.peer, self.member)
+
+    def send(self, x: torch.Tensor) -> None:
+        self._check()
+        self.comm.send(x, dst=0)
+
+    def recv(self, out: torch.Tensor) -> torch.Tensor:
+        self._check()
+        self.comm.recv(out, src=0)
+        return out
+
+
+class NCCLFFNConnector(TCPFFNConnector):
+    def __init__(self, ctx: ConnectorContext):
+        super().__init__(ctx)
+        self.comm = None
+        self._k = ctx.config.attention_ranks_per_ffn
+
+    def wait_step(self, timeout: float) -> list[StepPeer]:
+        if self.comm is None and self._ever_complete:
+            self.comm = _create_comm(self.ctx, self.ctx.rank, 0)
+            logger.info("AFD: NCCL group of FFN rank %d up", self.ctx.rank)
+        had_peers = bool(self.peers)
+        ready = super().wait_step(timeout)
+        if self.comm is not None and had_peers and not self.peers:
+            raise AFDPeerError(
+                "all AFD attention ranks left; an NCCL FFN rank serves one session: "
+                "restart the FFN server before restarting attention"
+            )
+        return ready
+
+    def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
+        self._peer(peer)
+        self.comm.recv(out, src=1 + peer.rank % self._k)
+
+    def send(self, peer: StepPeer, y: torch.Tensor) -> None:
+        self._peer(peer)
+        self.comm.send(y.contiguous(), dst=1 + peer.rank % self._k)
+
+
+register_connector("nccl", NCCLAttentionConnector, NCCLFFNConnector)

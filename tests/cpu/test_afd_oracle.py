@@ -1,0 +1,308 @@
+"""The CPU oracle: AFD output equals plain vLLM on the same checkpoint.
+
+Greedy decoding in fp32: token ids must be identical and the top-5 logprobs
+of every generated position within LOGPROB_TOL. Every engine runs in its own
+process (tests/cpu/afd_proc.py, in-process engine core for speed).
+
+Prompts of different lengths with different max_tokens and max_num_seqs=4 make
+the scheduler mix prefills with decodes (continuous batching).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu_e2e
+
+HERE = Path(__file__).resolve().parent
+PROC = HERE / "afd_proc.py"
+LOGPROB_TOL = 1e-4
+START_TIMEOUT = 420  # engine start on a loaded 2-core machine
+
+PROMPTS = {
+    "prompts": [
+        "Hello, my name is",
+        "The capital of France is",
+        "def add(a, b):",
+        "One two three",
+        "A long time ago in a galaxy far, far away, there was a small robot who",
+        "Q: What is two plus two?\nA:",
+        "import numpy as np\n\nx = np.arange(10)\n",
+        "The quick brown fox",
+        "In the beginning",
+        "Once upon a time, in a land of dragons and wizards and tall mountains,",
+    ],
+    "max_tokens": [24, 8, 16, 30, 12, 20, 10, 28, 6, 18],
+}
+
+
+def free_port(n: int = 1) -> int:
+    """A base port with n consecutive free ports."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port")
+
+
+def env_for(model: Path) -> dict:
+    env = dict(os.environ)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    if "deepseek" in model.name:
+        env["VLLM_MLA_DISABLE"] = "1"
+    return env
+
+
+class Proc:
+    def __init__(self, args: list[str], model: Path, log: Path):
+        self.log = log
+        self.fh = open(log, "w")
+        self.p = subprocess.Popen(
+            [sys.executable, str(PROC), *args, "--model", str(model)],
+            stdout=self.fh, stderr=subprocess.STDOUT, env=env_for(model),
+            start_new_session=True,
+        )
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"{self.log.name} did not finish within {timeout} s:\n{self.tail()}")
+
+    def text(self) -> str:
+        self.fh.flush()
+        return self.log.read_text(errors="replace")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.text().splitlines()[-n:])
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        self.fh.close()
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.stop()
+
+
+def afd_json(role: str, port: int, **extra) -> str:
+    cfg = {"role": role, "connector": "gloo", "host": "127.0.0.1", "port": port,
+           "timeout_s": 120}
+    cfg.update(extra)
+    return json.dumps(cfg)
+
+
+def write_prompts(tmp_path: Path, spec: dict = PROMPTS) -> Path:
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+_PLAIN_CACHE: dict[str, dict] = {}
+
+
+def plain_reference(model: Path, tmp_path: Path) -> dict:
+    """Plain vLLM output for PROMPTS (computed once per model per session)."""
+    key = str(model)
+    if key not in _PLAIN_CACHE:
+        out = tmp_path / f"plain_{model.name}.json"
+        p = Proc(["plain", "--prompts", str(write_prompts(tmp_path)), "--out", str(out),
+                  "--max-num-seqs", "4"], model, tmp_path / f"plain_{model.name}.log")
+        rc = p.wait(START_TIMEOUT)
+        assert rc == 0, p.tail()
+        _PLAIN_CACHE[key] = json.loads(out.read_text())
+    return _PLAIN_CACHE[key]
+
+
+def assert_matches(plain: dict, afd: dict) -> float:
+    assert len(plain["outputs"]) == len(afd["outputs"]) == len(PROMPTS["prompts"])
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(plain["outputs"], afd["outputs"])):
+        assert a["token_ids"] == b["token_ids"], f"prompt {i}: tokens differ"
+        assert len(a["token_ids"]) == PROMPTS["max_tokens"][i]
+        for pos, (la, lb) in enumerate(zip(a["logprobs"], b["logprobs"])):
+            for tok, lp in la.items():
+                assert tok in lb, f"prompt {i} pos {pos}: token {tok} not in AFD top-k"
+                worst = max(worst, abs(lp - lb[tok]))
+    assert worst <= LOGPROB_TOL, f"max |logprob diff| {worst} > {LOGPROB_TOL}"
+    return worst
+
+
+def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
+            num_attention=1, extra: dict | None = None, attn_model: Path | None = None):
+    extra = dict(extra or {})
+    port = free_port()
+    prompts = write_prompts(tmp_path)
+    topo = {"num_attention_ranks": num_attention, "num_ffn_ranks": 1, **extra}
+
+    def start_ffn():
+        p = Proc(["ffn", "--afd", afd_json("ffn", port, **topo)], model, tmp_path / "ffn.log")
+        procs.append(p)
+        return p
+
+    def start_attn(rank: int):
+        out = tmp_path / f"afd_{rank}.json"
+        p = Proc(["attention", "--afd", afd_json("attention", port, rank=rank, **topo),
+                  "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "4"],
+                 attn_model or model, tmp_path / f"attn_{rank}.log")
+        procs.append(p)
+        return p, out
+
+    ffn = None if attention_first else start_ffn()
+    attns = [start_attn(r) for r in range(num_attention)]
+    if attention_first:
+        time.sleep(5)  # the attention side is up and waiting for its peer
+        ffn = start_ffn()
+    return ffn, attns
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "deepseek_v2"])
+def test_oracle_1a1f(name, models_dir, tmp_path, procs):
+    model = models_dir / name
+    plain = plain_reference(model, tmp_path)
+    ffn, [(attn, out)] = run_afd(procs, tmp_path, model)
+    assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    worst = assert_matches(plain, json.loads(out.read_text()))
+    print(f"{name}: tokens identical, max |logprob diff| {worst:.2e}")
+    assert ffn.p.poll() is None, "FFN server must keep serving after the attention goodbye"
+
+
+def test_oracle_attention_started_first(models_dir, tmp_path, procs):
+    model = models_dir / "qwen3_moe"
+    plain = plain_reference(model, tmp_path)
+    ffn, [(attn, out)] = run_afd(procs, tmp_path, model, attention_first=True)
+    assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    assert_matches(plain, json.loads(out.read_text()))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])
+def test_oracle_gate_on_attention(name, models_dir, tmp_path, procs):
+    model = models_dir / name
+    plain = plain_reference(model, tmp_path)
+    ffn, [(attn, out)] = run_afd(procs, tmp_path, model,
+                                 extra={"compute_gate_on_attention": True})
+    assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    assert_matches(plain, json.loads(out.read_text()))
+    # The router ran on the attention side (2 of the 3 layers are MoE).
+    assert "router of 2 MoE layer(s) runs on the attention role" in attn.text(), attn.tail()
+
+
+def test_oracle_2a1f(models_dir, tmp_path, procs):
+    """Two attention ranks feed one FFN rank, which batches ready ranks."""
+    model = models_dir / "qwen3_moe"
+    plain = plain_reference(model, tmp_path)
+    ffn, attns = run_afd(procs, tmp_path, model, num_attention=2)
+    for attn, out in attns:
+        assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+        assert_matches(plain, json.loads(out.read_text()))
+    ffn.stop()
+    assert "AFD-FFN-STOPPED" in ffn.text()
+
+
+def test_mismatched_layer_count_ends_both(models_dir, tmp_path, procs):
+    ffn, [(attn, _)] = run_afd(procs, tmp_path, models_dir / "qwen3_moe",
+                               attn_model=models_dir / "qwen3_moe_2l",
+                               extra={"timeout_s": 60})
+    assert attn.wait(START_TIMEOUT) != 0
+    assert ffn.wait(START_TIMEOUT) != 0
+    for p in (attn, ffn):
+        assert "mismatch on 'num_hidden_layers'" in p.text(), p.tail()
+
+
+def test_wrong_topology_ends_both(models_dir, tmp_path, procs):
+    model = models_dir / "qwen3_moe"
+    port = free_port(2)
+    ffn = Proc(["ffn", "--afd", afd_json("ffn", port, num_attention_ranks=2, timeout_s=60)],
+               model, tmp_path / "ffn.log")
+    procs.append(ffn)
+    attn = Proc(["attention", "--afd", afd_json("attention", port, timeout_s=60),
+                 "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "o.json")],
+                model, tmp_path / "attn.log")
+    procs.append(attn)
+    assert attn.wait(START_TIMEOUT) != 0
+    assert ffn.wait(START_TIMEOUT) != 0
+    for p in (attn, ffn):
+        assert "mismatch on 'num_attention_ranks'" in p.text(), p.tail()
+
+
+def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
+    """Attention fails with an error naming the FFN peer within timeout_s + 5 s."""
+    model = models_dir / "qwen3_moe"
+    timeout_s = 5
+    port = free_port()
+    spec = {"prompts": ["Hello, my name is"] * 4, "max_tokens": [400] * 4}
+    ffn = Proc(["ffn", "--afd", afd_json("ffn", port, timeout_s=timeout_s)], model,
+               tmp_path / "ffn.log")
+    procs.append(ffn)
+    attn = Proc(["attention", "--afd", afd_json("attention", port, timeout_s=timeout_s),
+                 "--prompts", str(write_prompts(tmp_path, spec)),
+                 "--out", str(tmp_path / "o.json")], model, tmp_path / "attn.log")
+    procs.append(attn)
+    deadline = time.monotonic() + START_TIMEOUT
+    while "connected to FFN rank" not in attn.text() or "Warming up done" not in attn.text():
+        assert attn.p.poll() is None, attn.tail()
+        assert time.monotonic() < deadline, attn.tail()
+        time.sleep(0.5)
+    time.sleep(2)  # generation under way
+    ffn.kill(signal.SIGKILL)
+    killed_at = time.monotonic()
+    rc = attn.wait(timeout_s + 60)
+    elapsed = time.monotonic() - killed_at
+    assert rc != 0
+    assert "lost AFD peer FFN rank 0" in attn.text(), attn.tail()
+    assert elapsed <= timeout_s + 5 + 10, f"attention took {elapsed:.1f} s to fail"
+    print(f"attention failed {elapsed:.1f} s after the FFN was killed")
+
+
+def test_no_ffn_within_timeout(models_dir, tmp_path, procs):
+    attn = Proc(["attention", "--afd", afd_json("attention", free_port(), timeout_s=3),
+                 "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "o.json")],
+                models_dir / "llama", tmp_path / "attn.log")
+    procs.append(attn)
+    assert attn.wait(START_TIMEOUT) != 0
+    assert "could not reach AFD FFN rank 0 at 127.0.0.1" in attn.text(), attn.tail()
+
+
+def test_no_attention_within_timeout(models_dir, tmp_path, procs):
+    ffn = Proc(["ffn", "--afd", afd_json("ffn", free_port(), timeout_s=3)],
+               models_dir / "llama", tmp_path / "ffn.log")
+    procs.append(ffn)
+    assert ffn.wait(START_TIMEOUT) == 3
+    assert "did not connect within timeout_s=3" in ffn.text(), ffn.tail()
