@@ -1,0 +1,509 @@
+"""Start, probe, query and stop `vllm serve` processes (stdlib only).
+
+Used by ``scripts/demo.py`` and by the CPU end-to-end tests; importable with
+no dependency beyond the standard library::
+
+    import serve_util as su
+
+    su.install_cleanup()                       # SIGTERM/SIGHUP/atexit stop every server
+    api, afd = su.free_ports(2)
+    srv = su.Server.start(
+        "ffn", model, api, log_dir / "ffn.log",
+        afd_config=su.afd_config("ffn", afd), python=sys.executable,
+    )
+    srv.wait_healthy(timeout=300)
+    status, body = su.completion(srv.url, "Hello", max_tokens=8)
+    srv.stop()
+
+Every server runs in its own session (``start_new_session=True``) so that
+:func:`stop_process_group` reaches the API server and its engine-core
+children, and every started server is kept in a registry until stopped so
+that :func:`stop_all` (run by :func:`install_cleanup` at exit and on
+SIGTERM/SIGHUP; Ctrl-C raises KeyboardInterrupt, so ``finally`` runs) leaves
+no process behind on any exit path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Flags for every server on the small CPU machine (no prefix caching: both sides of a
+# comparison must compute every token).
+CPU_SERVE_ARGS = [
+    "--dtype", "float32",
+    "--enforce-eager",
+    "--max-model-len", "512",
+    "--max-num-seqs", "8",
+    "--max-num-batched-tokens", "512",
+    "--no-enable-prefix-caching",
+    "--seed", "0",
+]  # fmt: skip
+
+# Environment for every server on the CPU (DeepSeek-V2 also needs VLLM_MLA_DISABLE=1).
+CPU_SERVE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+# ---------------------------------------------------------------------------- ports
+def free_ports(n: int = 1, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that are free now (all sockets are held open until every
+    port is picked, so the ports differ; a race with another program is still possible)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(1, host)[0]
+
+
+# ---------------------------------------------------------------------------- commands
+def afd_config(role: str, port: int, *, timeout_s: float = 120.0, host: str = "127.0.0.1",
+               connector: str = "gloo", num_attention_ranks: int = 1, num_ffn_ranks: int = 1,
+               **extra: Any) -> dict[str, Any]:
+    """The ``--afd-config`` object of one side of an AFD deployment."""
+    return {
+        "role": role,
+        "connector": connector,
+        "host": host,
+        "port": port,
+        "num_attention_ranks": num_attention_ranks,
+        "num_ffn_ranks": num_ffn_ranks,
+        "timeout_s": timeout_s,
+        **extra,
+    }
+
+
+def vllm_python(python: str | None = None) -> str:
+    """The interpreter that runs ``vllm``: ``python`` or this one."""
+    return python or sys.executable
+
+
+# `vllm` CLI for an interpreter whose vLLM is installed as the upstream `vllm-cpu`
+# distribution: vllm.entrypoints.cli.main reads importlib.metadata.version("vllm") and fails
+# there (vllm.platforms already falls back to "vllm-cpu"); map the name, then run the CLI.
+_CLI_SHIM = (
+    "import importlib.metadata as m, sys\n"
+    "_v = m.version\n"
+    "def version(name):\n"
+    "    try:\n"
+    "        return _v(name)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        if name != 'vllm':\n"
+    "            raise\n"
+    "        return _v('vllm-cpu') + '+cpu'\n"
+    "m.version = version\n"
+    "sys.argv[0] = 'vllm'\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.exit(main())\n"
+)
+_CLI_PREFIX: dict[str, list[str]] = {}
+
+
+def vllm_cli(python: str | None = None) -> list[str]:
+    """argv prefix that runs the ``vllm`` CLI with ``python``: ``PY -m
+    vllm.entrypoints.cli.main`` when the interpreter has a ``vllm`` distribution, else
+    ``PY -c SHIM`` (see _CLI_SHIM). Probed once per interpreter (no vLLM import)."""
+    py = vllm_python(python)
+    if py not in _CLI_PREFIX:
+        probe = subprocess.run(
+            [py, "-c", "import importlib.metadata as m; m.version('vllm')"],
+            capture_output=True, timeout=60,
+        )
+        _CLI_PREFIX[py] = ([py, "-m", "vllm.entrypoints.cli.main"] if probe.returncode == 0
+                           else [py, "-c", _CLI_SHIM])
+    return list(_CLI_PREFIX[py])
+
+
+def serve_command(model: str | os.PathLike, port: int, *, python: str | None = None,
+                  afd: dict[str, Any] | None = None, host: str = "127.0.0.1",
+                  extra_args: list[str] | None = None, cpu_args: bool = True) -> list[str]:
+    """argv of ``vllm serve MODEL`` run by ``python`` (see :func:`vllm_cli`)."""
+    cmd = [*vllm_cli(python), "serve", str(model), "--host", host, "--port", str(port)]
+    if cpu_args:
+        cmd += CPU_SERVE_ARGS
+    if afd is not None:
+        cmd += ["--afd-config", json.dumps(afd)]
+    cmd += list(extra_args or [])
+    return cmd
+
+
+# ---------------------------------------------------------------------------- processes
+_LIVE: set[subprocess.Popen] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def start_process(cmd: list[str], log_path: str | os.PathLike,
+                  env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in a new session with stdout+stderr appended to ``log_path``; the
+    process is registered for :func:`stop_all` until :func:`stop_process_group` ends it."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        shown = ["<vllm-cli-shim>" if "\n" in a else a for a in cmd]
+        log.write(("$ " + " ".join(shown) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    with _LIVE_LOCK:
+        _LIVE.add(proc)
+    return proc
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``, from /proc (Linux)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may hold spaces and parentheses
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) >= 3 and fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(entry))
+    return pids
+
+
+def _wait_group_gone(pgid: int, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        if not group_members(pgid):
+            return True
+        time.sleep(0.1)
+    return not group_members(pgid)
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = 15.0,
+                       sig: int = signal.SIGTERM) -> int | None:
+    """Send ``sig`` to the process group of ``proc`` (its session: start_process puts the
+    process at the head of a new one), wait up to ``grace`` seconds for the whole group to
+    exit, then SIGKILL what is left. Returns the exit code of ``proc`` (None if unknown)."""
+    pgid = proc.pid  # start_new_session: pgid == pid, even after the leader exits
+    try:
+        if group_members(pgid) or proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+            if sig != signal.SIGKILL:
+                deadline = time.monotonic() + grace
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                if not _wait_group_gone(pgid, deadline):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            _wait_group_gone(pgid, time.monotonic() + 10)
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.discard(proc)
+    return proc.poll()
+
+
+def stop_all(grace: float = 10.0) -> None:
+    """Stop every process started by :func:`start_process` and not yet stopped."""
+    with _LIVE_LOCK:
+        procs = list(_LIVE)
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        stop_process_group(proc, grace=grace)
+
+
+_CLEANUP_INSTALLED = False
+
+
+def install_cleanup(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> None:
+    """Stop all servers at interpreter exit, and turn ``signals`` into SystemExit(128+sig)
+    so that ``finally`` blocks run (main thread only). Ctrl-C already raises
+    KeyboardInterrupt. Idempotent."""
+    global _CLEANUP_INSTALLED
+    if _CLEANUP_INSTALLED:
+        return
+    _CLEANUP_INSTALLED = True
+    atexit.register(stop_all)
+
+    def handler(signum, frame):
+        # Ignore repeats while cleaning up; the first one unwinds the main thread.
+        for s in signals:
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(s, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for s in signals:
+            signal.signal(s, handler)
+
+
+def log_tail(log_path: str | os.PathLike, lines: int = 60) -> str:
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError as e:
+        return f"<cannot read {log_path}: {e}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def find_traceback(log_path: str | os.PathLike, max_lines: int = 60) -> str | None:
+    """The first Python traceback of a log (usually the root cause; vLLM's wrappers re-raise
+    it later as "Engine core initialization failed") plus the final exception line of every
+    later one; None when the log has no traceback."""
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    starts = [i for i, ln in enumerate(lines) if "Traceback (most recent call last)" in ln]
+    if not starts:
+        return None
+
+    def block(i: int) -> list[str]:
+        out = [lines[i]]
+        for ln in lines[i + 1:]:
+            out.append(ln)
+            body = ln.split("] ", 1)[-1] if "ERROR" in ln else ln.split(") ", 1)[-1]
+            if body and not body.startswith((" ", "\t", "Traceback")) and (
+                "Error" in body or "Exception" in body or "Interrupt" in body
+            ):
+                break
+        return out
+
+    first = block(starts[0])
+    out = first[:max_lines] + (["    ..."] + first[-3:] if len(first) > max_lines else [])
+    finals = []
+    for i in starts[1:]:
+        last = block(i)[-1]
+        if last not in finals and last != first[-1]:
+            finals.append(last)
+    if finals:
+        out += ["(later tracebacks end with:)"] + finals
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------- HTTP
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """(status, body) of a GET; raises OSError (URLError, ConnectionError) when the
+    connection fails."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def post_json(url: str, payload: dict[str, Any], timeout: float = 300.0) -> tuple[int, Any]:
+    """(status, parsed JSON body or text) of a JSON POST; HTTP errors are returned, not
+    raised; a failed connection or a timeout raises OSError."""
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    text = raw.decode(errors="replace")
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def completion(base_url: str, prompt: str, *, timeout: float = 300.0,
+               **params: Any) -> tuple[int, Any]:
+    """POST /v1/completions (the model name is optional with one served model)."""
+    return post_json(f"{base_url}/v1/completions", {"prompt": prompt, **params}, timeout)
+
+
+def error_message(body: Any) -> str:
+    """The message of an OpenAI-style error body (or the body as text)."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err)
+    return str(body)
+
+
+# ---------------------------------------------------------------------------- server
+class ServerDied(RuntimeError):
+    """A server exited, or did not become healthy in time; the message has its log tail."""
+
+
+@dataclass
+class Server:
+    """One ``vllm serve`` process: its name, port, log and Popen."""
+
+    name: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen
+    host: str = "127.0.0.1"
+    started_at: float = field(default_factory=time.monotonic)
+    healthy_after_s: float | None = None
+
+    @classmethod
+    def start(cls, name: str, model: str | os.PathLike, port: int,
+              log_path: str | os.PathLike, *, afd_config: dict[str, Any] | None = None,
+              python: str | None = None, env: dict[str, str] | None = None,
+              extra_args: list[str] | None = None, host: str = "127.0.0.1") -> Server:
+        """Start ``vllm serve`` with the CPU flags; ``env`` is added to os.environ and
+        CPU_SERVE_ENV."""
+        cmd = serve_command(model, port, python=python, afd=afd_config, host=host,
+                            extra_args=extra_args)
+        full_env = {**os.environ, **CPU_SERVE_ENV, **(env or {})}
+        t0 = time.monotonic()
+        proc = start_process(cmd, log_path, full_env)
+        return cls(name=name, port=port, log_path=Path(log_path), proc=proc, host=host,
+                   started_at=t0)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 60) -> str:
+        return log_tail(self.log_path, lines)
+
+    def healthy(self) -> bool:
+        try:
+            return http_get(f"{self.url}/health", timeout=2.0)[0] == 200
+        except OSError:
+            return False
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise ServerDied(
+                f"{self.name} server exited with code {self.proc.returncode}; "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
+
+    def wait_healthy(self, timeout: float = 300.0, deadline: float | None = None,
+                     poll: float = 0.5) -> float:
+        """Wait for GET /health == 200 while checking that the process lives; returns the
+        seconds since start. Raises ServerDied (with the log tail) on exit or timeout."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            if self.healthy():
+                self.healthy_after_s = time.monotonic() - self.started_at
+                return self.healthy_after_s
+            if time.monotonic() > deadline:
+                raise ServerDied(
+                    f"{self.name} server not healthy after "
+                    f"{time.monotonic() - self.started_at:.0f} s; log {self.log_path}:\n"
+                    f"{self.log_tail()}"
+                )
+            time.sleep(poll)
+
+    def completion(self, prompt: str, *, timeout: float = 300.0, **params: Any):
+        return completion(self.url, prompt, timeout=timeout, **params)
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        return stop_process_group(self.proc, grace=grace)
+
+    def kill(self) -> int | None:
+        """SIGKILL the whole process group at once (a crash, as far as peers can tell)."""
+        return stop_process_group(self.proc, sig=signal.SIGKILL)
+
+    def gone(self) -> bool:
+        """True when no process of this server's group is left."""
+        return self.proc.poll() is not None and not group_members(self.pgid)
+
+
+def wait_all_healthy(servers: list[Server], timeout: float = 300.0) -> dict[str, float]:
+    """Wait for several servers under one deadline, checking all of them each round (so
+    a peer that died is noticed while another one still waits); name -> seconds."""
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    while pending:
+        for srv in list(pending):
+            srv.check_alive()
+            if srv.healthy():
+                srv.healthy_after_s = time.monotonic() - srv.started_at
+                pending.remove(srv)
+        if pending and time.monotonic() > deadline:
+            srv = pending[0]
+            raise ServerDied(
+                f"{srv.name} server not healthy after {timeout:.0f} s; log {srv.log_path}:\n"
+                f"{srv.log_tail()}"
+            )
+        if pending:
+            time.sleep(0.5)
+    return {s.name: s.healthy_after_s or 0.0 for s in servers}
+
+
+# ---------------------------------------------------------------------------- results
+def parse_choice(body: dict[str, Any]) -> dict[str, Any]:
+    """text, tokens (strings; "token_id:N" with return_tokens_as_token_ids) and per-position
+    top logprobs ({token: logprob}) of the first choice of a completion response."""
+    choice = body["choices"][0]
+    lp = choice.get("logprobs") or {}
+    return {
+        "text": choice.get("text", ""),
+        "tokens": list(lp.get("tokens") or []),
+        "token_logprobs": list(lp.get("token_logprobs") or []),
+        "top_logprobs": [dict(d or {}) for d in (lp.get("top_logprobs") or [])],
+        "finish_reason": choice.get("finish_reason"),
+    }
+
+
+def token_ids(tokens: list[str]) -> list[int]:
+    """Token ids of "token_id:N" strings (return_tokens_as_token_ids=true)."""
+    return [int(t.split(":", 1)[1]) for t in tokens]
+
+
+def max_logprob_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> float:
+    """Largest |logprob difference| over the top-k tokens of each position. A token in the
+    top-k of one side only is scored with the smallest possible difference (its logprob
+    minus the other side's k-th logprob, which bounds the unseen value from above): a tie
+    swapped at rank k costs ~0, a real difference shows up. Different lengths give inf."""
+    if len(a) != len(b):
+        return float("inf")
+    worst = 0.0
+    for x, y in zip(a, b):
+        if not x and not y:
+            continue
+        if not x or not y:
+            return float("inf")
+        min_x, min_y = min(x.values()), min(y.values())
+        for k in set(x) | set(y):
+            if k in x and k in y:
+                d = abs(x[k] - y[k])
+            elif k in x:
+                d = max(0.0, x[k] - min_y)
+            else:
+                d = max(0.0, y[k] - min_x)
+            worst = max(worst, d)
+    return worst
