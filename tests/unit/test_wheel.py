@@ -176,14 +176,15 @@ def test_synthetic_wheel_contents(synth, variant, tmp_path):
     changed = {n for n in py_out if n in py_up and py_out[n] != py_up[n]}
     added = set(py_out) - set(py_up)
     removed = set(py_up) - set(py_out)
-    assert changed == {"vllm/a.py"}
+    assert changed == {"vllm/a.py", W.VERSION_MODULE}
     assert added == {"vllm/afd/__init__.py", "vllm/new.py", W.REVISION_MODULE}
     assert removed == {"vllm/b.py"}
-    assert out["vllm/_version.py"] == up["vllm/_version.py"]
+    assert out["vllm/_version.py"] == f"__version__ = '{version}'\n".encode()
     assert out["vllm/a.py"] == b"A = 1\nAFD = True\n"
     assert f'AFD_REVISION = "{REV}"' in out[W.REVISION_MODULE].decode()
     assert 'AFD_VLLM_VERSION = "0.26.0"' in out[W.REVISION_MODULE].decode()
-    assert sorted(res.replaced) == ["vllm/a.py"] and res.removed == ["vllm/b.py"]
+    assert sorted(res.replaced) == [W.VERSION_MODULE, "vllm/a.py"]
+    assert res.removed == ["vllm/b.py"]
 
     # metadata: name vllm, new version, Requires-Dist identical except the torch +cpu pin
     meta = out[f"{di}/METADATA"].decode()
@@ -291,8 +292,9 @@ def test_real_wheel(variant, tmp_path):
         py_diff = {n for n in oi if n.endswith(".py") and (n not in ui or oi[n].CRC != ui[n].CRC)}
         gone = {n for n in ui if n.endswith(".py") and n not in oi}
         expected = {p for p, s in changes.items() if s != "D" and p.endswith(".py")}
-        assert py_diff - {W.REVISION_MODULE} <= expected
-        assert W.REVISION_MODULE in py_diff
+        assert py_diff - {W.REVISION_MODULE, W.VERSION_MODULE} <= expected
+        assert {W.REVISION_MODULE, W.VERSION_MODULE} <= py_diff
+        assert f"'{res.version}'" in zo.read(W.VERSION_MODULE).decode()
         assert gone == {p for p, s in changes.items() if s == "D" and p in ui}
         assert requires_dist(zo.read(f"{di}/METADATA")) == [
             r.replace("torch==2.11.0+cpu;", "torch==2.11.0;")
