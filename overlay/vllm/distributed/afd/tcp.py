@@ -81,6 +81,20 @@ def _tensor_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """Bytes to send: device tensors are staged through host memory."""
+    return t.contiguous() if t.device.type == "cpu" else t.contiguous().cpu()
+
+
+def _recv_tensor(sock, out: torch.Tensor, deadline: float, peer: str) -> None:
+    if out.device.type == "cpu" and out.is_contiguous():
+        _recv_exact_into(sock, _tensor_view(out), deadline, peer)
+        return
+    staging = torch.empty(out.shape, dtype=out.dtype, device="cpu")
+    _recv_exact_into(sock, _tensor_view(staging), deadline, peer)
+    out.copy_(staging)
+
+
 def _send_all(sock: socket.socket, data, timeout: float, peer: str) -> None:
     sock.settimeout(timeout)
     try:
@@ -200,12 +214,12 @@ class TCPAttentionConnector(AttentionConnector):
             raise
 
     def send(self, x: torch.Tensor) -> None:
-        self._send(self._check(), _tensor_view(x))
+        self._send(self._check(), _tensor_view(_host(x)))
 
     def recv(self, out: torch.Tensor) -> torch.Tensor:
         sock = self._check()
         try:
-            _recv_exact_into(sock, _tensor_view(out), time.monotonic() + self.timeout, self.peer)
+            _recv_tensor(sock, out, time.monotonic() + self.timeout, self.peer)
         except AFDPeerError as e:
             self._dead = str(e)
             raise
@@ -430,12 +444,12 @@ class TCPFFNConnector(FFNConnector):
 
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
         p = self._peer(peer)
-        _recv_exact_into(p.sock, _tensor_view(out), time.monotonic() + self.timeout, p.name)
+        _recv_tensor(p.sock, out, time.monotonic() + self.timeout, p.name)
         p.last_seen = time.monotonic()
 
     def send(self, peer: StepPeer, y: torch.Tensor) -> None:
         p = self._peer(peer)
-        _send_all(p.sock, _tensor_view(y.contiguous()), self.timeout, p.name)
+        _send_all(p.sock, _tensor_view(_host(y)), self.timeout, p.name)
 
     def close(self) -> None:
         self._stop.set()
