@@ -93,9 +93,7 @@ def run_afd(args, log_dir: Path) -> dict:
                 report_traceback(srv)
         raise
     finally:
-        for srv in (attn, ffn):
-            if srv is not None:
-                srv.stop()
+        su.stop_servers([attn, ffn])
 
 
 def run_plain(args, log_dir: Path) -> dict:
@@ -200,8 +198,11 @@ def main() -> int:
         print(f"logs in {log_dir}\nMISMATCH (demo failed)")
         return 1
     except KeyboardInterrupt:
-        print("\ninterrupted; servers stopped", file=sys.stderr)
+        print("\ninterrupted; stopping the servers", file=sys.stderr)
         return 130
+    except SystemExit as e:  # SIGTERM/SIGHUP (su.install_cleanup)
+        print(f"\nterminated (exit {e.code}); stopping the servers", file=sys.stderr)
+        raise
     finally:
         su.stop_all()
 

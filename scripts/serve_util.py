@@ -226,15 +226,28 @@ def stop_process_group(proc: subprocess.Popen, grace: float = 15.0,
     return proc.poll()
 
 
+def stop_processes(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
+    """Stop several process groups at once: SIGTERM to all, then one shared grace period
+    before SIGKILL (so N servers take ``grace`` seconds at most, not N times that)."""
+    procs = [p for p in procs if p is not None]
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        stop_process_group(proc, grace=max(0.0, deadline - time.monotonic()))
+
+
 def stop_all(grace: float = 10.0) -> None:
     """Stop every process started by :func:`start_process` and not yet stopped."""
     with _LIVE_LOCK:
         procs = list(_LIVE)
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        stop_process_group(proc, grace=grace)
+    stop_processes(procs, grace)
+
+
+def stop_servers(servers: list[Server | None], grace: float = 15.0) -> None:
+    """Stop several servers at once (None entries are skipped)."""
+    stop_processes([s.proc for s in servers if s is not None], grace)
 
 
 _CLEANUP_INSTALLED = False
@@ -337,6 +350,60 @@ def completion(base_url: str, prompt: str, *, timeout: float = 300.0,
                **params: Any) -> tuple[int, Any]:
     """POST /v1/completions (the model name is optional with one served model)."""
     return post_json(f"{base_url}/v1/completions", {"prompt": prompt, **params}, timeout)
+
+
+def stream_completion(base_url: str, prompt: str, *, timeout: float = 300.0,
+                      on_chunk: Any = None, **params: Any) -> dict[str, Any]:
+    """POST /v1/completions with ``stream: true`` and read it to the end. Never raises for
+    a server-side failure; returns ``{"status", "chunks", "text", "finish_reason", "error",
+    "done"}``: ``error`` is an error chunk's message, an HTTP error or the exception that
+    ended the stream (a reset connection, a timeout); ``done`` says "[DONE]" arrived.
+    ``on_chunk(chunk)`` is called for every data chunk (e.g. to learn that tokens flow)."""
+    out: dict[str, Any] = {"status": None, "chunks": 0, "text": "", "finish_reason": None,
+                           "error": None, "done": False}
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps({"prompt": prompt, **params, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out["status"] = r.status
+            for raw in r:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    out["done"] = True
+                    break
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    continue
+                if "error" in chunk:
+                    out["error"] = error_message(chunk)
+                    continue
+                out["chunks"] += 1
+                for choice in chunk.get("choices") or []:
+                    out["text"] += choice.get("text") or ""
+                    out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
+                if on_chunk is not None:
+                    on_chunk(chunk)
+    except urllib.error.HTTPError as e:
+        out["status"] = e.code
+        out["error"] = error_message(_json_or_text(e.read()))
+    except Exception as e:  # noqa: BLE001 - any way the stream can end is a result here
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _json_or_text(raw: bytes) -> Any:
+    text = raw.decode(errors="replace")
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def error_message(body: Any) -> str:
