@@ -23,7 +23,7 @@ import time
 def engine_kwargs(args) -> dict:
     kw = dict(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         enforce_eager=not args.compile,
         max_model_len=512,
         max_num_seqs=args.max_num_seqs,
@@ -31,6 +31,8 @@ def engine_kwargs(args) -> dict:
         seed=0,
         enable_prefix_caching=False,
     )
+    if args.gpu_memory_utilization:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.afd:
         kw["afd_config"] = json.loads(args.afd)
     return kw
@@ -93,6 +95,8 @@ def main() -> int:
     p.add_argument("--logprobs", type=int, default=5)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = p.parse_args()
     if args.mode == "ffn":
         return serve_ffn(args)

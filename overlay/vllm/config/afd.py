@@ -207,6 +207,25 @@ class AFDConfig:
                 )
         if getattr(vllm_config, "speculative_config", None) is not None:
             raise AFDConfigError("AFD: speculative decoding is not supported yet")
+        model_config = getattr(vllm_config, "model_config", None)
+        device_config = getattr(vllm_config, "device_config", None)
+        device_type = getattr(device_config, "device_type", "cpu")
+        if (
+            self.is_attention
+            and device_type != "cpu"
+            and model_config is not None
+            and not model_config.enforce_eager
+        ):
+            # The remote-FFN exchange is host code inside the forward pass: a
+            # replayed CUDA graph would skip it. Graph capture with AFD needs
+            # the step control outside the graph (not in this release).
+            import logging
+
+            logging.getLogger("vllm.afd").warning(
+                "AFD attention role on %s: CUDA graphs are not supported with AFD yet; "
+                "running eager (as with --enforce-eager)", device_type
+            )
+            model_config.enforce_eager = True
 
     # ---------------------------------------------------------------- derived
     @property
