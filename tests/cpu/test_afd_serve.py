@@ -92,9 +92,9 @@ def pair(model_dir, log_dir, reference):
         try:
             ready = su.wait_all_healthy([attn, ffn], timeout=START_TIMEOUT_S)
         except su.ServerDied as e:
-            tbs = [f"--- {s.name}: {s.log_path}\n{su.find_traceback(s.log_path)}"
-                   for s in servers]
-            pytest.fail(f"{e}\n\n" + "\n".join(tbs), pytrace=False)
+            tbs = [f"--- first traceback of the {s.name} server ({s.log_path}):\n"
+                   f"{su.find_traceback(s.log_path)}" for s in servers]
+            pytest.fail("\n".join(tbs) + f"\n\n--- {e}", pytrace=False)
         print(f"AFD pair healthy: {ready}")
         yield attn, ffn
     finally:
