@@ -84,6 +84,17 @@ _DEEPSEEK_V2 = dict(
     scoring_func="softmax",
     **_COMMON,
 )
+# DeepSeek-V2's rope_scaling (factor 40 over 4096 positions), scaled to MAX_POS.
+_DEEPSEEK_YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=MAX_POS // 4,
+    beta_fast=32,
+    beta_slow=1,
+    mscale=0.707,
+    mscale_all_dim=0.707,
+)
 
 # name -> (config overrides, dtype). All CPU models are float32.
 MODELS: dict[str, tuple[dict, str]] = {
@@ -101,7 +112,14 @@ MODELS: dict[str, tuple[dict, str]] = {
     "qwen3_moe": (dict(_QWEN3_MOE, num_hidden_layers=3), "float32"),
     # same architecture, other layer count: for handshake / fingerprint mismatch tests
     "qwen3_moe_2l": (dict(_QWEN3_MOE, num_hidden_layers=2), "float32"),
-    "deepseek_v2": (_DEEPSEEK_V2, "float32"),
+    # DeepSeek-V2's own YaRN rope (scaled down). Besides covering YaRN and the mscale softmax
+    # scale, it is needed on the CPU: with the default rope, vLLM's non-MLA DeepseekV2Attention
+    # hands q_pe to the CPU rotary kernel as a 3D [tokens, heads, rope_dim] view, which that
+    # kernel (csrc/cpu/pos_encoding.cpp: num_heads = size(-1) / head_size, token stride =
+    # stride(-2)) only handles as 2D [tokens, heads * head_dim], so q is rotated wrongly and
+    # vLLM differs from HF from the first token. YaRN uses DeepseekScalingRotaryEmbedding,
+    # PyTorch-native on the CPU.
+    "deepseek_v2": (dict(_DEEPSEEK_V2, rope_parameters=_DEEPSEEK_YARN), "float32"),
     # GPU only: shapes the MLA backends accept (kv_lora_rank 512, rope 64, nope 128, v 128).
     # bfloat16 (what the MLA kernels take) keeps it under 10 MB.
     "deepseek_v2_mla": (
