@@ -94,7 +94,15 @@ def setup_ffn_engine_core(engine) -> None:
             input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, b""))
 
     engine.afd_ffn_error = None
-    engine.model_executor.collective_rpc(_register_fatal_callback, args=(on_fatal,))
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    if isinstance(engine.model_executor, UniProcExecutor):
+        # Worker in this process: its serve loop reports straight to us.
+        engine.model_executor.collective_rpc(_register_fatal_callback, args=(on_fatal,))
+    else:
+        # Worker processes: a failed serve loop ends its worker, and the
+        # executor's worker monitor then fails this engine.
+        engine.model_executor.collective_rpc(_exit_worker_on_fatal)
     logger.info("AFD FFN role: engine core ready (no KV cache, no scheduler)")
 
 
@@ -103,6 +111,18 @@ def _register_fatal_callback(worker, callback) -> None:
     runner.on_fatal.append(callback)
     if runner.error is not None:
         callback(runner.error)
+
+
+def _exit_worker_on_fatal(worker) -> None:
+    _register_fatal_callback(worker, _exit_worker)
+
+
+def _exit_worker(message: str) -> None:
+    import os
+    import sys
+
+    print(f"AFD FFN rank failed: {message}; ending this worker", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def reject_generation(vllm_config) -> None:

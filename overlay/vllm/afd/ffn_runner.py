@@ -33,8 +33,10 @@ class _GivenRouterLogits(torch.nn.Module):
     def __init__(self, block: torch.nn.Module):
         super().__init__()
         gate = block.gate
-        self.num_experts = gate.weight.shape[0]
-        self.out_dtype = getattr(gate, "out_dtype", None) or gate.weight.dtype
+        # Read the shape from the layer's attributes: post-load processing on
+        # the CPU may replace the weight by a packed kernel handle.
+        self.num_experts = int(gate.output_size)
+        self.out_dtype = getattr(gate, "out_dtype", None) or gate.params_dtype
         self.logits: torch.Tensor | None = None
 
     def forward(self, block, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,8 @@ def _recv_bytes(sock: socket.socket, n: int, deadline: float, peer: str) -> byte
 
 
 def _tensor_view(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 

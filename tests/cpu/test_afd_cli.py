@@ -1,0 +1,66 @@
+"""--afd-config through vLLM's own argument parsing and config building."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def _serve(model: Path, *args: str) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    r = subprocess.run([*VLLM, "serve", str(model), *args], capture_output=True, text=True,
+                       timeout=120)
+    return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"role": "bogus"}', "'role' must be one of attention, ffn"),
+        ('{"role": "ffn", "port": 0}', "'port' must be in 1..65535"),
+        ('{"role": "ffn", "colour": 1}', "unknown key(s) 'colour'"),
+        ('{"role": "ffn", "num_attention_ranks": 3, "num_ffn_ranks": 2}', "must be a multiple"),
+        ("not json", "not valid JSON"),
+    ],
+)
+def test_bad_afd_config_fails_at_parse(models_dir, bad, message):
+    rc, out, elapsed = _serve(models_dir / "llama", "--afd-config", bad)
+    assert rc == 2, out[-2000:]
+    assert message in out, out[-2000:]
+    assert "AFD: connecting" not in out and "listening on" not in out
+    assert elapsed < 60
+
+
+def test_afd_config_and_additional_config_together_is_an_error(models_dir):
+    rc, out, _ = _serve(
+        models_dir / "llama",
+        "--afd-config", '{"role": "ffn"}',
+        "--additional-config", '{"afd": {"role": "ffn"}}',
+    )
+    assert rc != 0
+    assert "AFD is configured twice" in out, out[-2000:]
+    assert "listening on" not in out
+
+
+def test_engine_config_carries_afd_and_hashes_roles_apart(models_dir):
+    from vllm.config.afd import AFDConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    def build(**kw):
+        return EngineArgs(model=str(models_dir / "llama"), max_model_len=256, **kw
+                          ).create_engine_config()
+
+    plain = build()
+    ffn = build(afd_config={"role": "ffn", "port": 29700})
+    attn = build(additional_config={"afd": {"role": "attention", "connector": "tcp"}})
+    assert plain.afd_config is None
+    assert isinstance(ffn.afd_config, AFDConfig) and ffn.afd_config.is_ffn
+    assert attn.afd_config.is_attention and attn.afd_config.connector == "gloo"
+    hashes = {plain.compute_hash(), ffn.compute_hash(), attn.compute_hash()}
+    assert len(hashes) == 3
