@@ -81,7 +81,8 @@ def serve_ffn(args) -> int:
             print(f"AFD-FFN-FAILED: {runner.error}", file=sys.stderr, flush=True)
             os._exit(3)
     runner.stop()
-    print(f"AFD-FFN-STOPPED steps={runner.steps_served}", flush=True)
+    print(f"AFD-FFN-STOPPED steps={runner.steps_served} batched={runner.batched_steps}",
+          flush=True)
     os._exit(0)
 
 
