@@ -56,9 +56,7 @@ def generate(args) -> int:
     result = {"start_s": t_start, "generate_s": t_gen, "outputs": []}
     for out in outs:
         comp = out.outputs[0]
-        lps = []
-        for tok, lp in zip(comp.token_ids, comp.logprobs or []):
-            lps.append({str(k): v.logprob for k, v in lp.items()})
+        lps = [{str(k): v.logprob for k, v in lp.items()} for lp in comp.logprobs or []]
         result["outputs"].append({"token_ids": list(comp.token_ids), "text": comp.text,
                                   "logprobs": lps})
     with open(args.out, "w") as f:

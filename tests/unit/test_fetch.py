@@ -10,9 +10,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import git
+
 from afdtool import fetch
 from afdtool.errors import AfdError
-from conftest import git
 
 
 def no_network(monkeypatch):

@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from afdtool.series import load_repo
 from conftest import TRAILERS, git
+
+from afdtool.series import load_repo
 
 
 def state_head(afd) -> str:
