@@ -1,0 +1,415 @@
+"""AFDConfig (overlay/vllm/config/afd.py), imported standalone: no vLLM needed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+AFD_PY = Path(__file__).resolve().parents[2] / "overlay" / "vllm" / "config" / "afd.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("afd_config_under_test", AFD_PY)
+    mod = importlib.util.module_from_spec(spec)
+    # dataclasses resolves string annotations through sys.modules
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+afd = _load()
+AFDConfig = afd.AFDConfig
+AFDConfigError = afd.AFDConfigError
+
+
+def cfg(**kw) -> AFDConfig:
+    kw.setdefault("role", "attention")
+    return AFDConfig.from_dict(kw)
+
+
+# ------------------------------------------------------------------ valid
+def test_defaults():
+    c = AFDConfig.from_dict({"role": "ffn"})
+    assert c.role == "ffn"
+    assert c.connector == "gloo"
+    assert c.host == "127.0.0.1"
+    assert c.port == 29600
+    assert (c.num_attention_ranks, c.num_ffn_ranks) == (1, 1)
+    assert c.compute_gate_on_attention is False
+    assert c.timeout_s == 60.0
+    assert c.connector_extra_config == {}
+    assert c.rank is None
+    assert c.is_ffn and not c.is_attention
+    assert c.resolved_rank() == 0
+    assert c.resolved_rank(3) == 3
+    assert cfg(role="attention", rank=0).resolved_rank(5) == 0
+    assert set(c.to_dict()) == set(AFDConfig.keys())
+
+
+def test_module_needs_no_vllm():
+    src = AFD_PY.read_text()
+    assert "import torch" not in src
+    assert "from vllm" not in src and "import vllm" not in src
+
+
+@pytest.mark.parametrize(
+    "given, canonical",
+    [
+        ("gloo", "gloo"),
+        ("tcp", "gloo"),
+        ("TCP", "gloo"),
+        ("Gloo", "gloo"),
+        ("nccl", "nccl"),
+        ("NCCL", "nccl"),
+        ("P2pNcclAFDConnector", "nccl"),
+        ("p2pncclafdconnector", "nccl"),
+    ],
+)
+def test_connector_aliases(given, canonical):
+    assert cfg(connector=given).connector == canonical
+
+
+def test_full_valid_config():
+    c = cfg(
+        role="attention",
+        connector="tcp",
+        host="10.0.0.5",
+        port=40000,
+        num_attention_ranks=4,
+        num_ffn_ranks=2,
+        compute_gate_on_attention=True,
+        timeout_s=5,
+        connector_extra_config={"secret_env": "MY_SECRET"},
+        rank=3,
+    )
+    assert c.connector == "gloo"
+    assert c.timeout_s == 5
+    assert c.rank == 3
+    assert c.attention_ranks_per_ffn == 2
+    assert "connector_extra_config" not in str(c)
+    assert str(c).startswith("AFDConfig(role='attention'")
+
+
+def test_connector_extra_config_none_becomes_empty():
+    assert cfg(connector_extra_config=None).connector_extra_config == {}
+
+
+def test_config_is_frozen():
+    c = cfg()
+    with pytest.raises(AttributeError):
+        c.port = 1
+
+
+def test_from_dict_passes_through_config():
+    c = cfg()
+    assert AFDConfig.from_dict(c) is c
+
+
+def test_from_json():
+    c = AFDConfig.from_json('{"role": "ffn", "connector": "tcp", "port": 1234}')
+    assert (c.role, c.connector, c.port) == ("ffn", "gloo", 1234)
+
+
+def test_from_engine_args_routes():
+    assert AFDConfig.from_engine_args(None, None) is None
+    assert AFDConfig.from_engine_args(None, {}) is None
+    assert AFDConfig.from_engine_args(None, {"other": 1}) is None
+    c = AFDConfig.from_engine_args('{"role": "ffn"}', None)
+    assert c.role == "ffn"
+    c = AFDConfig.from_engine_args({"role": "attention"}, {"unrelated": True})
+    assert c.role == "attention"
+    c = AFDConfig.from_engine_args(None, {"afd": {"role": "ffn", "connector": "nccl"}})
+    assert (c.role, c.connector) == ("ffn", "nccl")
+
+
+def test_from_engine_args_additional_config_names_its_source():
+    with pytest.raises(AFDConfigError, match=r"^--additional-config afd: 'role' is required"):
+        AFDConfig.from_engine_args(None, {"afd": {"connector": "tcp"}})
+
+
+def test_from_engine_args_both_is_an_error():
+    with pytest.raises(AFDConfigError, match="AFD is configured twice"):
+        AFDConfig.from_engine_args('{"role": "ffn"}', {"afd": {"role": "ffn"}})
+    with pytest.raises(AFDConfigError, match="not both"):
+        AFDConfig.from_engine_args({"role": "ffn"}, {"afd": {"role": "attention"}})
+
+
+# -------------------------------------------------------------------- bad
+BAD = [
+    # (raw dict, regex the message must match)
+    ({"role": "ffn", "bogus": 1}, r"unknown key\(s\) 'bogus'; allowed keys: role, connector"),
+    ({"role": "ffn", "zz": 1, "aa": 2}, r"unknown key\(s\) 'aa', 'zz'"),
+    ({"connector": "tcp"}, r"'role' is required \('attention' or 'ffn'\)"),
+    ({"role": "prefill"}, r"'role' must be one of attention, ffn; got 'prefill'"),
+    ({"role": "FFN"}, r"'role' must be one of attention, ffn; got 'FFN'"),
+    ({"role": 1}, r"'role' must be one of attention, ffn; got 1"),
+    ({"role": ["ffn"]}, r"'role' must be one of attention, ffn; got \['ffn'\]"),
+    ({"role": "ffn", "connector": "mooncake"}, r"unknown connector 'mooncake'; known: gloo, nccl"),
+    ({"role": "ffn", "connector": 3}, r"'connector' must be a string; got int"),
+    ({"role": "ffn", "connector": None}, r"'connector' must be a string; got NoneType"),
+    ({"role": "ffn", "host": ""}, r"'host' must not be empty"),
+    ({"role": "ffn", "host": "   "}, r"'host' must not be empty"),
+    ({"role": "ffn", "host": 127}, r"'host' must be a string; got int"),
+    ({"role": "ffn", "port": 0}, r"'port' must be in 1\.\.65535; got 0"),
+    ({"role": "ffn", "port": 70000}, r"'port' must be in 1\.\.65535; got 70000"),
+    ({"role": "ffn", "port": -1}, r"'port' must be in 1\.\.65535; got -1"),
+    ({"role": "ffn", "port": "29600"}, r"'port' must be an integer; got '29600'"),
+    ({"role": "ffn", "port": True}, r"'port' must be an integer; got True"),
+    ({"role": "ffn", "port": 29600.0}, r"'port' must be an integer; got 29600\.0"),
+    (
+        {"role": "ffn", "port": 65535, "num_attention_ranks": 2, "num_ffn_ranks": 2},
+        r"FFN rank ports 65535\.\.65536 exceed 65535",
+    ),
+    ({"role": "ffn", "num_attention_ranks": 0}, r"'num_attention_ranks' must be at least 1; got 0"),
+    ({"role": "ffn", "num_ffn_ranks": -1}, r"'num_ffn_ranks' must be at least 1; got -1"),
+    ({"role": "ffn", "num_attention_ranks": 2.0}, r"'num_attention_ranks' must be an integer; got 2\.0"),
+    ({"role": "ffn", "num_ffn_ranks": 1.5}, r"'num_ffn_ranks' must be an integer; got 1\.5"),
+    ({"role": "ffn", "num_ffn_ranks": True}, r"'num_ffn_ranks' must be an integer; got True"),
+    (
+        {"role": "ffn", "num_attention_ranks": 1, "num_ffn_ranks": 2},
+        r"num_attention_ranks \(1\) must be >= num_ffn_ranks \(2\)",
+    ),
+    (
+        {"role": "ffn", "num_attention_ranks": 3, "num_ffn_ranks": 2},
+        r"num_attention_ranks \(3\) must be a multiple of num_ffn_ranks \(2\)",
+    ),
+    (
+        {"role": "ffn", "connector": "nccl", "num_attention_ranks": 2, "num_ffn_ranks": 2},
+        r"connector 'nccl' serves num_ffn_ranks <= 1 in this release; got 2",
+    ),
+    (
+        {"role": "ffn", "connector": "P2pNcclAFDConnector", "num_attention_ranks": 4,
+         "num_ffn_ranks": 2},
+        r"connector 'nccl' serves num_ffn_ranks <= 1",
+    ),
+    (
+        {"role": "ffn", "compute_gate_on_attention": "yes"},
+        r"'compute_gate_on_attention' must be true or false; got 'yes'",
+    ),
+    (
+        {"role": "ffn", "compute_gate_on_attention": 1},
+        r"'compute_gate_on_attention' must be true or false; got 1",
+    ),
+    ({"role": "ffn", "timeout_s": 0}, r"'timeout_s' must be a positive number of seconds; got 0"),
+    ({"role": "ffn", "timeout_s": -5}, r"'timeout_s' must be a positive number of seconds; got -5"),
+    (
+        {"role": "ffn", "timeout_s": math.nan},
+        r"'timeout_s' must be a positive number of seconds; got nan",
+    ),
+    (
+        {"role": "ffn", "timeout_s": math.inf},
+        r"'timeout_s' must be a positive number of seconds; got inf",
+    ),
+    ({"role": "ffn", "timeout_s": "60"}, r"'timeout_s' must be a number of seconds; got '60'"),
+    ({"role": "ffn", "timeout_s": True}, r"'timeout_s' must be a number of seconds; got True"),
+    ({"role": "ffn", "timeout_s": None}, r"'timeout_s' must be a number of seconds; got None"),
+    (
+        {"role": "ffn", "connector_extra_config": [1, 2]},
+        r"'connector_extra_config' must be a JSON object; got list",
+    ),
+    (
+        {"role": "ffn", "connector_extra_config": "secret_env=X"},
+        r"'connector_extra_config' must be a JSON object; got str",
+    ),
+    (
+        {"role": "ffn", "connector_extra_config": {1: "x"}},
+        r"'connector_extra_config' keys must be strings",
+    ),
+    (
+        {"role": "ffn", "connector_extra_config": {"secret_env": 5}},
+        r"connector_extra_config\.secret_env must be the name of an environment variable",
+    ),
+    (
+        {"role": "ffn", "rank": 1},
+        r"'rank' 1 is out of range for role 'ffn' \(0\.\.0\)",
+    ),
+    (
+        {"role": "attention", "rank": 4, "num_attention_ranks": 4, "num_ffn_ranks": 2},
+        r"'rank' 4 is out of range for role 'attention' \(0\.\.3\)",
+    ),
+    (
+        {"role": "ffn", "rank": 2, "num_attention_ranks": 4, "num_ffn_ranks": 2},
+        r"'rank' 2 is out of range for role 'ffn' \(0\.\.1\)",
+    ),
+    ({"role": "attention", "rank": -1}, r"'rank' -1 is out of range for role 'attention'"),
+    ({"role": "attention", "rank": "0"}, r"'rank' must be an integer; got '0'"),
+    ({"role": "attention", "rank": 0.0}, r"'rank' must be an integer; got 0\.0"),
+    ({"role": "attention", "rank": False}, r"'rank' must be an integer; got False"),
+]
+
+
+def _id(case):
+    raw, _ = case
+    return json.dumps({k: v for k, v in raw.items() if k != "role"} or raw, default=repr)[:60]
+
+
+@pytest.mark.parametrize("raw, message", BAD, ids=[_id(c) for c in BAD])
+def test_bad_config(raw, message):
+    with pytest.raises(AFDConfigError, match=r"^--afd-config: .*" + message):
+        AFDConfig.from_dict(raw)
+
+
+def test_at_least_twenty_distinct_bad_inputs():
+    assert len({m for _, m in BAD}) >= 20
+
+
+def test_error_is_a_value_error():
+    assert issubclass(AFDConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "raw, kind",
+    [([{"role": "ffn"}], "list"), ("ffn", "str"), (None, "NoneType"), (3, "int")],
+)
+def test_not_a_json_object(raw, kind):
+    with pytest.raises(AFDConfigError, match=rf"^--afd-config: expected a JSON object, got {kind}$"):
+        AFDConfig.from_dict(raw)
+
+
+def test_from_json_list():
+    with pytest.raises(AFDConfigError, match=r"expected a JSON object, got list"):
+        AFDConfig.from_json('[{"role": "ffn"}]')
+
+
+@pytest.mark.parametrize("text", ["{role: ffn}", "", '{"role": "ffn"', "{'role': 'ffn'}"])
+def test_from_json_invalid(text):
+    with pytest.raises(AFDConfigError, match=r"^--afd-config: not valid JSON \(.* at \d+\)$"):
+        AFDConfig.from_json(text)
+
+
+def test_from_json_error_names_custom_source():
+    with pytest.raises(AFDConfigError, match=r"^my-source: 'role' is required"):
+        AFDConfig.from_json("{}", source="my-source")
+
+
+# ------------------------------------------------------------------ argparse
+def test_parse_afd_config_arg_ok():
+    c = afd.parse_afd_config_arg('{"role": "attention", "connector": "tcp"}')
+    assert isinstance(c, AFDConfig)
+    assert c.connector == "gloo"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("not json", r"not valid JSON"),
+        ('{"role": "x"}', r"'role' must be one of attention, ffn"),
+        ('{"role": "ffn", "port": 0}', r"'port' must be in 1\.\.65535"),
+    ],
+)
+def test_parse_afd_config_arg_raises_argument_type_error(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        afd.parse_afd_config_arg(text)
+
+
+def test_parse_afd_config_arg_in_argparse(capsys):
+    parser = argparse.ArgumentParser(prog="serve")
+    parser.add_argument("--afd-config", type=afd.parse_afd_config_arg)
+    ns = parser.parse_args(["--afd-config", '{"role": "ffn"}'])
+    assert ns.afd_config.role == "ffn"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--afd-config", '{"role": "ffn", "nope": 1}'])
+    err = capsys.readouterr().err
+    assert "unknown key(s) 'nope'" in err
+
+
+# ----------------------------------------------------- verify_with_vllm_config
+def _vllm(tp=1, pp=1, spec=None, parallel=True):
+    return SimpleNamespace(
+        parallel_config=(
+            SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+            if parallel else None
+        ),
+        speculative_config=spec,
+    )
+
+
+def test_verify_ok():
+    cfg().verify_with_vllm_config(_vllm())
+    cfg().verify_with_vllm_config(_vllm(parallel=False))
+    cfg().verify_with_vllm_config(SimpleNamespace())
+
+
+@pytest.mark.parametrize(
+    "vllm_config, message",
+    [
+        (_vllm(tp=2), r"tensor_parallel_size=2, pipeline_parallel_size=1"),
+        (_vllm(pp=2), r"tensor_parallel_size=1, pipeline_parallel_size=2"),
+        (_vllm(tp=4, pp=2), r"tensor_parallel_size=4, pipeline_parallel_size=2"),
+        (_vllm(spec=SimpleNamespace(method="eagle")), r"speculative decoding is not supported"),
+    ],
+)
+def test_verify_refuses(vllm_config, message):
+    with pytest.raises(AFDConfigError, match=message):
+        cfg().verify_with_vllm_config(vllm_config)
+
+
+# ---------------------------------------------------------------- rank layout
+def test_layout_4a2f():
+    c = cfg(num_attention_ranks=4, num_ffn_ranks=2, port=30000)
+    assert c.attention_ranks_per_ffn == 2
+    assert [c.ffn_rank_of(a) for a in range(4)] == [0, 0, 1, 1]
+    assert c.attention_ranks_of(0) == [0, 1]
+    assert c.attention_ranks_of(1) == [2, 3]
+    assert [c.ffn_port(f) for f in range(2)] == [30000, 30001]
+
+
+def test_layout_3a1f():
+    c = cfg(num_attention_ranks=3, num_ffn_ranks=1, port=30000)
+    assert c.attention_ranks_per_ffn == 3
+    assert [c.ffn_rank_of(a) for a in range(3)] == [0, 0, 0]
+    assert c.attention_ranks_of(0) == [0, 1, 2]
+    assert c.ffn_port(0) == 30000
+
+
+def test_layout_1a1f():
+    c = cfg()
+    assert c.ffn_rank_of(0) == 0
+    assert c.attention_ranks_of(0) == [0]
+    assert c.ffn_port(0) == 29600
+
+
+def test_layout_every_attention_rank_served_once():
+    c = cfg(num_attention_ranks=6, num_ffn_ranks=3)
+    served = [a for f in range(3) for a in c.attention_ranks_of(f)]
+    assert served == list(range(6))
+    assert all(c.ffn_rank_of(a) == f for f in range(3) for a in c.attention_ranks_of(f))
+
+
+# ---------------------------------------------------------------- compute_hash
+def test_compute_hash_stable():
+    a = cfg(role="ffn", num_attention_ranks=2)
+    b = cfg(role="ffn", num_attention_ranks=2)
+    assert a.compute_hash() == b.compute_hash() == a.compute_hash()
+    h = a.compute_hash()
+    assert isinstance(h, str) and len(h) == 32
+    int(h, 16)
+
+
+def test_compute_hash_ignores_address_and_timeouts():
+    base = cfg(role="ffn").compute_hash()
+    assert cfg(role="ffn", host="10.1.2.3", port=40000).compute_hash() == base
+    assert cfg(role="ffn", timeout_s=3).compute_hash() == base
+    assert cfg(role="ffn", connector="tcp").compute_hash() == base  # alias == canonical
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"role": "attention"},
+        {"num_attention_ranks": 2},
+        {"num_attention_ranks": 2, "num_ffn_ranks": 2},
+        {"compute_gate_on_attention": True},
+        {"connector": "nccl"},
+    ],
+)
+def test_compute_hash_changes_with_role_and_topology(change):
+    base = cfg(role="ffn").compute_hash()
+    assert cfg(**{"role": "ffn", **change}).compute_hash() != base

@@ -1,0 +1,250 @@
+"""AFD wire format (overlay/vllm/afd/protocol.py), imported standalone by file path."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+PROTOCOL_PY = Path(__file__).resolve().parents[2] / "overlay" / "vllm" / "afd" / "protocol.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("afd_protocol_under_test", PROTOCOL_PY)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+P = _load()
+
+
+def fingerprint(**changes) -> dict:
+    fp = {
+        "protocol": P.PROTOCOL_VERSION,
+        "architecture": "LlamaForCausalLM",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "ffn_layers": [0, 1, 2, 3],
+        "dtype": "float32",
+        "num_attention_ranks": 1,
+        "num_ffn_ranks": 1,
+        "connector": "gloo",
+        "compute_gate_on_attention": False,
+        "max_num_tokens": 256,
+        "afd_revision": "test",
+    }
+    assert set(fp) == set(P.FINGERPRINT_KEYS)
+    fp.update(changes)
+    return fp
+
+
+def test_module_is_pure_python():
+    src = PROTOCOL_PY.read_text()
+    assert "import torch" not in src
+    assert "from vllm" not in src and "import vllm" not in src
+    assert "pickle" not in src.replace("unpickled", "")
+
+
+# ------------------------------------------------------------------ control
+def test_struct_sizes():
+    assert P.CONTROL.size == 4 + 4 + 8 + 4 + 4 + 4
+    assert P.HELLO_PREAMBLE.size == 8
+
+
+@pytest.mark.parametrize(
+    "ctrl",
+    [
+        P.Control(P.MSG_STEP, step_id=7, num_tokens=1),
+        P.Control(P.MSG_STEP, step_id=2**64 - 1, num_tokens=256, flags=5),
+        P.Control(P.MSG_HEARTBEAT),
+        P.Control(P.MSG_GOODBYE),
+    ],
+)
+def test_control_round_trip(ctrl):
+    data = ctrl.pack()
+    assert len(data) == P.CONTROL.size
+    assert data[:4] == P.CONTROL_MAGIC
+    assert P.Control.unpack(data, max_num_tokens=256) == ctrl
+
+
+def test_control_is_little_endian():
+    data = P.Control(P.MSG_STEP, step_id=1, num_tokens=2, flags=3).pack()
+    assert data == b"AFDS" + struct.pack("<I", 1) + struct.pack("<Q", 1) + struct.pack(
+        "<III", 2, 3, 0
+    )
+
+
+def test_control_heartbeat_and_goodbye_ignore_token_bound():
+    # only step messages carry a token count
+    for mtype in (P.MSG_HEARTBEAT, P.MSG_GOODBYE):
+        data = P.CONTROL.pack(P.CONTROL_MAGIC, mtype, 0, 0, 0, 0)
+        assert P.Control.unpack(data, 8).type == mtype
+
+
+def test_control_bad_magic():
+    data = P.CONTROL.pack(b"XXXX", P.MSG_STEP, 1, 1, 0, 0)
+    with pytest.raises(P.AFDProtocolError, match=r"bad control magic b'XXXX'"):
+        P.Control.unpack(data, 8)
+
+
+@pytest.mark.parametrize("mtype", [0, 4, 99, 2**32 - 1])
+def test_control_unknown_type(mtype):
+    data = P.CONTROL.pack(P.CONTROL_MAGIC, mtype, 1, 1, 0, 0)
+    with pytest.raises(P.AFDProtocolError, match=rf"unknown control message type {mtype}$"):
+        P.Control.unpack(data, 8)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 9, 2**32 - 1])
+def test_control_step_tokens_out_of_range(num_tokens):
+    data = P.Control(P.MSG_STEP, 1, num_tokens).pack()
+    with pytest.raises(P.AFDProtocolError, match=rf"step with {num_tokens} tokens is outside 1\.\.8"):
+        P.Control.unpack(data, 8)
+
+
+def test_control_step_tokens_at_bounds():
+    assert P.Control.unpack(P.Control(P.MSG_STEP, 1, 1).pack(), 8).num_tokens == 1
+    assert P.Control.unpack(P.Control(P.MSG_STEP, 1, 8).pack(), 8).num_tokens == 8
+
+
+def test_control_errors_are_protocol_errors():
+    assert issubclass(P.AFDProtocolError, RuntimeError)
+    assert issubclass(P.AFDHandshakeError, RuntimeError)
+    assert issubclass(P.AFDPeerError, RuntimeError)
+
+
+# -------------------------------------------------------------------- hello
+def _split(packed: bytes) -> tuple[int, bytes]:
+    n = P.unpack_hello_preamble(packed[: P.HELLO_PREAMBLE.size])
+    return n, packed[P.HELLO_PREAMBLE.size :]
+
+
+def test_hello_round_trip():
+    payload = {**fingerprint(), "role": "attention", "rank": 0, "auth": "", "x": None, "f": 1.5}
+    packed = P.pack_hello(payload)
+    assert packed[:4] == P.HELLO_MAGIC
+    n, body = _split(packed)
+    assert n == len(body)
+    assert P.parse_hello(body) == payload
+
+
+def test_hello_is_sorted_json():
+    _, body = _split(P.pack_hello({"b": 1, "a": 2}))
+    assert body == json.dumps({"a": 2, "b": 1}).encode()
+
+
+def test_hello_empty_object():
+    n, body = _split(P.pack_hello({}))
+    assert P.parse_hello(body) == {}
+    assert n == 2
+
+
+def test_hello_at_size_limit():
+    # {"k": "<pad>"} is 9 bytes plus the padding
+    payload = {"k": "x" * (P.MAX_HELLO_BYTES - 9)}
+    packed = P.pack_hello(payload)
+    n, body = _split(packed)
+    assert n == P.MAX_HELLO_BYTES
+    assert P.parse_hello(body) == payload
+
+
+def test_pack_hello_too_large():
+    with pytest.raises(ValueError, match="hello message too large"):
+        P.pack_hello({"k": "x" * (P.MAX_HELLO_BYTES - 8)})
+
+
+def test_preamble_bad_magic():
+    with pytest.raises(P.AFDProtocolError, match=r"not an AFD peer \(preamble b'GET / HT'\)"):
+        P.unpack_hello_preamble(b"GET / HT")
+
+
+def test_preamble_control_magic_is_not_hello():
+    with pytest.raises(P.AFDProtocolError, match="not an AFD peer"):
+        P.unpack_hello_preamble(P.HELLO_PREAMBLE.pack(P.CONTROL_MAGIC, 2))
+
+
+@pytest.mark.parametrize("length", [P.MAX_HELLO_BYTES + 1, 2**32 - 1])
+def test_preamble_oversized_hello(length):
+    data = P.HELLO_PREAMBLE.pack(P.HELLO_MAGIC, length)
+    with pytest.raises(
+        P.AFDProtocolError, match=rf"hello of {length} bytes exceeds {P.MAX_HELLO_BYTES}"
+    ):
+        P.unpack_hello_preamble(data)
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b"not json", b"\xff\xfe\x00", b"{'a': 1}"])
+def test_hello_not_json(body):
+    with pytest.raises(P.AFDProtocolError, match="hello is not JSON"):
+        P.parse_hello(body)
+
+
+@pytest.mark.parametrize("body", [b"[]", b"[1, 2]", b'"str"', b"3", b"null", b"true"])
+def test_hello_not_an_object(body):
+    with pytest.raises(P.AFDProtocolError, match=r"^hello is not a JSON object$"):
+        P.parse_hello(body)
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        (b'{"role": "attention", "nested": {"a": 1}}', "nested"),
+        (b'{"x": {}}', "x"),
+    ],
+)
+def test_hello_nested_object_rejected(body, key):
+    with pytest.raises(P.AFDProtocolError, match=rf"hello field '{key}' has a non-scalar value"):
+        P.parse_hello(body)
+
+
+def test_hello_scalar_and_list_values_accepted():
+    body = b'{"s": "a", "i": 1, "f": 1.5, "b": true, "n": null, "l": [1, 2]}'
+    assert P.parse_hello(body)["l"] == [1, 2]
+
+
+# -------------------------------------------------------------- fingerprint
+def test_fingerprint_equal():
+    assert P.fingerprint_mismatch(fingerprint(), fingerprint()) is None
+
+
+def test_fingerprint_extra_keys_ignored():
+    a = {**fingerprint(), "role": "attention", "rank": 0, "auth": "x"}
+    b = {**fingerprint(), "role": "ffn", "rank": 3, "status": "ok"}
+    assert P.fingerprint_mismatch(a, b) is None
+
+
+@pytest.mark.parametrize("key", P.FINGERPRINT_KEYS)
+def test_fingerprint_mismatch_names_key(key):
+    remote = fingerprint(**{key: "DIFFERENT"})
+    msg = P.fingerprint_mismatch(fingerprint(), remote)
+    assert msg is not None
+    assert msg.startswith(f"AFD fingerprint mismatch on '{key}': ")
+    assert msg.endswith("the peer has 'DIFFERENT'")
+    assert repr(fingerprint()[key]) in msg
+
+
+def test_fingerprint_mismatch_names_first_differing_key():
+    remote = fingerprint(num_hidden_layers=8, dtype="bfloat16", max_num_tokens=1)
+    msg = P.fingerprint_mismatch(fingerprint(), remote)
+    assert msg == (
+        "AFD fingerprint mismatch on 'num_hidden_layers': this side has 4, the peer has 8"
+    )
+    # order follows FINGERPRINT_KEYS, not the dict order
+    remote = fingerprint(afd_revision="other", protocol=999)
+    assert "'protocol'" in P.fingerprint_mismatch(fingerprint(), remote)
+
+
+def test_fingerprint_missing_key_is_a_mismatch():
+    remote = fingerprint()
+    del remote["hidden_size"]
+    msg = P.fingerprint_mismatch(fingerprint(), remote)
+    assert msg == "AFD fingerprint mismatch on 'hidden_size': this side has 64, the peer has None"
+
+
+def test_fingerprint_type_matters():
+    msg = P.fingerprint_mismatch(fingerprint(), fingerprint(hidden_size="64"))
+    assert msg is not None and "'hidden_size'" in msg
