@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import targets
 from .errors import AfdError
 from .fetch import fetch_artifact, log, sha256_file
 from .gitutil import am_in_progress, git, ls_tree_files, rev_parse, run_git, status_porcelain
@@ -25,9 +26,7 @@ from .series import (
     Repo,
     add_repo_arguments,
     add_tree_argument,
-    default_tree,
     inputs_fingerprint,
-    load_repo,
     overlay_files,
     read_series,
     require_clean_series,
@@ -398,6 +397,7 @@ def build(repo: Repo, tree: Path, source: str | None = None, force: bool = False
 def add_arguments(parser) -> None:
     add_repo_arguments(parser)
     add_tree_argument(parser)
+    targets.add_target_argument(parser)
     parser.add_argument("--source", help="where to get the sdist (see `afdtool fetch --help`)")
     parser.add_argument("--force", action="store_true",
                         help="save uncommitted/unexported work on branch afd/backup-<time>, "
@@ -405,6 +405,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    repo = load_repo(args.repo_root)
-    build(repo, default_tree(repo, args.tree), source=args.source, force=args.force)
+    repo = targets.load(args.repo_root, args.target)
+    build(repo, targets.tree(repo, args.tree), source=args.source, force=args.force)
     return 0

@@ -11,11 +11,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import targets
 from .apply import PatchFailed, am_series, commit_overlay, init_tree, prepare_base
 from .errors import AfdError
 from .export import changed_paths, format_patches
 from .gitutil import run_git
-from .series import Repo, add_repo_arguments, lint_series, load_repo, read_series
+from .series import Repo, add_repo_arguments, lint_series, read_series
 
 TRAILERS = ("Upstream-Status", "Reason", "Removal")
 STATUS_RE = re.compile(r"^(Not-yet|Submitted|Never)\b")
@@ -143,10 +144,11 @@ def _first_diff(a: bytes, b: bytes) -> str:
 def add_arguments(parser) -> None:
     add_repo_arguments(parser)
     parser.add_argument("--source", help="where to get the sdist (see `afdtool fetch --help`)")
+    targets.add_target_argument(parser)
 
 
 def run(args) -> int:
-    repo = load_repo(args.repo_root)
+    repo = targets.load(args.repo_root, args.target)
     return 0 if check(repo, source=args.source) else 1
 
 

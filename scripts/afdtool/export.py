@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from . import targets
 from .apply import BASE_TAG, OVERLAY_TAG, read_state, write_state
 from .errors import AfdError
 from .gitutil import am_in_progress, git, ls_tree_files, rev_parse, run_git, status_porcelain
@@ -25,9 +26,7 @@ from .series import (
     Repo,
     add_repo_arguments,
     add_tree_argument,
-    default_tree,
     inputs_fingerprint,
-    load_repo,
     overlay_files,
     read_series,
 )
@@ -191,13 +190,14 @@ def export(repo: Repo, tree: Path, force: bool = False) -> list[str]:
 def add_arguments(parser) -> None:
     add_repo_arguments(parser)
     add_tree_argument(parser)
+    targets.add_target_argument(parser)
     parser.add_argument("--force", action="store_true",
                         help="overwrite uncommitted/unapplied changes in patches/ and overlay/")
 
 
 def run(args) -> int:
-    repo = load_repo(args.repo_root)
-    tree = default_tree(repo, args.tree)
+    repo = targets.load(args.repo_root, args.target)
+    tree = targets.tree(repo, args.tree)
     changes = export(repo, tree, force=args.force)
     if changes:
         print("\n".join(changes))
