@@ -18,6 +18,11 @@ COMMANDS = {
     "wheel": ("wheel", "build the custom wheel (--variant cuda|cpu)"),
     "venv": ("venv", "create/update a venv with torch and the custom CPU wheel"),
     "bundle": ("bundle", "offline install bundle for the GPU host"),
+    "rebase": ("rebase", "carry the series to upstream release X (--to X) -> targets/X/"),
+    "rebase-continue": ("rebase", "resume a stopped rebase after resolving (or --skip)"),
+    "rebase-abort": ("rebase", "abort a rebase: restore the tree exactly as it was"),
+    "rebase-report": ("rebase", "try the series on every newer release -> markdown table"),
+    "drift": ("rebase", "static check of overlay imports/calls against release X (--to X)"),
 }
 
 
@@ -45,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             p = sub.add_parser(name, help=help_text, description=help_text)
             if name == chosen:
                 module = _load(name)
-                module.add_arguments(p)
-                p.set_defaults(_run=module.run)
+                # a module serving several commands maps them in COMMANDS to (add_arguments, run)
+                add, run = getattr(module, "COMMANDS", {}).get(name, (None, None))
+                (add or module.add_arguments)(p)
+                p.set_defaults(_run=run or module.run)
         args = parser.parse_args(argv)
         return int(args._run(args) or 0)
     except AfdError as exc:

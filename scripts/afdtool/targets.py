@@ -25,6 +25,11 @@ class TargetRepo(Repo):
     """A Repo whose patches/ folder is targets/X/patches (pin: targets/X/VLLM_VERSION)."""
 
     patches_dir: Path | None = None
+    overlay_dir: Path | None = None  # set only by rebase (export into a scratch folder)
+
+    @property
+    def overlay(self) -> Path:
+        return self.overlay_dir if self.overlay_dir is not None else self.root / "overlay"
 
     @property
     def patches(self) -> Path:
