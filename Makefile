@@ -5,10 +5,20 @@ AFD := PYTHONPATH=$(CURDIR)/scripts $(PY) -m afdtool
 VENV ?= .venv
 VPY := $(CURDIR)/$(VENV)/bin/python
 PYTEST_ARGS ?=
+# Upstream target: `make apply-patches VLLM_VERSION=X` / `make check VLLM_VERSION=X` (or TO=X)
+# use targets/X/ (pin + patches, tree build/vllm-X); without it the primary pin (file VLLM_VERSION).
+# Only a command-line VLLM_VERSION counts (an environment variable of that name is ignored).
+ifeq ($(origin VLLM_VERSION),command line)
+TO := $(VLLM_VERSION)
+endif
+TARGET_ARGS = $(if $(TO),--target $(TO))
+REBASE_ARGS ?=
+TREE_ARGS = $(if $(TREE),--tree $(TREE))
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply-patches export-patches check wheel wheel-cpu venv models bundle \
-        demo test test-unit test-cpu test-gpu lint clean
+        demo test test-unit test-cpu test-gpu lint clean \
+        rebase rebase-continue rebase-abort rebase-report drift
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -17,13 +27,13 @@ fetch: ## download (or reuse from cache) the pinned sdist and wheels, sha256-che
 	$(AFD) fetch all
 
 apply-patches: ## pinned vLLM source + overlay + patches/series -> build/vllm (git repo)
-	$(AFD) apply
+	$(AFD) apply $(TARGET_ARGS)
 
 export-patches: ## commits after the overlay commit in build/vllm -> patches/ and overlay/
-	$(AFD) export
+	$(AFD) export $(TARGET_ARGS)
 
 check: ## series applies strictly, re-export is byte-identical, headers present, prefixes compile
-	$(AFD) check
+	$(AFD) check $(TARGET_ARGS)
 
 wheel: apply-patches ## custom CUDA wheel -> dist/vllm-X+afd.<rev>-cp38-abi3-manylinux_2_28_x86_64.whl
 	$(AFD) wheel --variant cuda
@@ -59,6 +69,23 @@ test-gpu: ## GPU tests (run on the GPU host): pytest -m gpu
 
 lint: ## ruff over scripts, tests, overlay
 	$(VPY) -m ruff check scripts tests overlay benchmarks
+
+rebase: ## carry the series to release X: make rebase VLLM_VERSION=X [TREE=dir] [REBASE_ARGS=--drop-empty]
+	$(if $(TO),,$(error usage: make rebase VLLM_VERSION=X (or TO=X)))
+	$(AFD) rebase --to $(TO) $(TREE_ARGS) $(REBASE_ARGS)
+
+rebase-continue: ## resume a stopped rebase after `git add` (REBASE_ARGS=--skip drops the patch)
+	$(AFD) rebase-continue $(if $(TO),--to $(TO)) $(TREE_ARGS) $(REBASE_ARGS)
+
+rebase-abort: ## abort a rebase: the tree, patches/ and the pins stay exactly as before
+	$(AFD) rebase-abort $(if $(TO),--to $(TO)) $(TREE_ARGS)
+
+rebase-report: ## try the series on every newer release -> docs/upstream-status.md (RELEASES="a b")
+	$(AFD) rebase-report --out docs/upstream-status.md $(if $(RELEASES),--releases $(RELEASES))
+
+drift: ## static check of overlay imports/calls against release X: make drift VLLM_VERSION=X
+	$(if $(TO),,$(error usage: make drift VLLM_VERSION=X (or TO=X)))
+	$(AFD) drift --to $(TO) $(REBASE_ARGS)
 
 clean: ## remove build/ and dist/ (keeps .venv and the download cache)
 	rm -rf build dist
