@@ -188,6 +188,9 @@ class AFDConfig:
                     f"'rank' {self.rank} is out of range for role {self.role!r} "
                     f"(0..{limit - 1})"
                 )
+        window = self.connector_extra_config.get("batch_window_ms", 0)
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
+            fail("connector_extra_config.batch_window_ms must be a non-negative number")
         secret_env = self.connector_extra_config.get("secret_env")
         if secret_env is not None and not isinstance(secret_env, str):
             fail("connector_extra_config.secret_env must be the name of an environment variable")

@@ -250,13 +250,19 @@ class _Peer:
         self.sock = sock
         self.addr = addr
         self.last_seen = time.monotonic()
+        self.last_step = 0.0
         self.name = f"attention rank {rank} at {addr}"
 
 
 class TCPFFNConnector(FFNConnector):
+    # A rank that had a step within ACTIVE_S is waited for (up to the batch
+    # window, connector_extra_config.batch_window_ms, default 5) to join a step.
+    ACTIVE_S = 1.0
+
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         cfg = ctx.config
+        self.batch_window = float(cfg.connector_extra_config.get("batch_window_ms", 5.0)) / 1e3
         self.expected = set(cfg.attention_ranks_of(ctx.rank))
         self.addr = (cfg.host, cfg.ffn_port(ctx.rank))
         self.timeout = float(cfg.timeout_s)
@@ -395,6 +401,27 @@ class TCPFFNConnector(FFNConnector):
         if not peers:
             time.sleep(min(timeout, 0.05))
             return []
+        ready = self._poll(peers, timeout)
+        if ready and self.batch_window > 0 and len(ready) < len(peers):
+            # Give the other recently active attention ranks a moment to join
+            # this step, so that their tokens share one FFN pass.
+            now = time.monotonic()
+            got = {r.rank for r in ready}
+            waiting = [p for p in peers
+                       if p.rank not in got and now - p.last_step < self.ACTIVE_S]
+            deadline = now + self.batch_window
+            while waiting and (left := deadline - time.monotonic()) > 0:
+                more = self._poll(waiting, left)
+                ready += more
+                got |= {m.rank for m in more}
+                waiting = [p for p in waiting if p.rank not in got]
+        now = time.monotonic()
+        for r in ready:
+            if (peer := self.peers.get(r.rank)) is not None:
+                peer.last_step = now
+        return ready
+
+    def _poll(self, peers: list[_Peer], timeout: float) -> list[StepPeer]:
         try:
             readable, _, _ = select.select([p.sock for p in peers], [], [], timeout)
         except (OSError, ValueError):
