@@ -413,3 +413,27 @@ def test_compute_hash_ignores_address_and_timeouts():
 def test_compute_hash_changes_with_role_and_topology(change):
     base = cfg(role="ffn").compute_hash()
     assert cfg(**{"role": "ffn", **change}).compute_hash() != base
+
+
+def _gpu_vllm(device_type="cuda", enforce_eager=False):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=None,
+        model_config=SimpleNamespace(enforce_eager=enforce_eager),
+        device_config=SimpleNamespace(device_type=device_type),
+    )
+
+
+def test_verify_forces_eager_on_gpu_attention():
+    v = _gpu_vllm()
+    cfg(role="attention").verify_with_vllm_config(v)
+    assert v.model_config.enforce_eager is True
+
+
+@pytest.mark.parametrize(
+    "role, device_type", [("ffn", "cuda"), ("attention", "cpu")]
+)
+def test_verify_leaves_eager_alone(role, device_type):
+    v = _gpu_vllm(device_type=device_type)
+    cfg(role=role).verify_with_vllm_config(v)
+    assert v.model_config.enforce_eager is False
