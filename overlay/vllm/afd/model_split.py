@@ -111,15 +111,34 @@ def _materialize(module: nn.Module, device: torch.device) -> None:
 
 
 def _strip_tensors(module: nn.Module, keep: nn.Module | None = None) -> None:
-    # No weights, and nothing for post-load processing to repack.
+    """No weights: drop every parameter and buffer (except under ``keep``)."""
     kept = set(keep.modules()) if keep is not None else set()
     for sub in module.modules():
         if sub in kept:
             continue
         sub._parameters.clear()
         sub._buffers.clear()
-        if getattr(sub, "quant_method", None) is not None:
-            sub.quant_method = None
+
+
+def _detach_remote_children(vllm_config, model: nn.Module) -> None:
+    """After the model is built, unhook the stand-ins' submodules (experts,
+    shared experts, projections) so that nothing that walks the model or the
+    static forward context (post-load processing, kernel warm-up, MoE layer
+    scans) finds weightless layers; the router stays when it runs here."""
+    compilation = vllm_config.compilation_config
+    ctx = compilation.static_forward_context
+    for m in model.modules():
+        if not isinstance(m, RemoteFFN):
+            continue
+        for name in list(m._modules):
+            if not (m.afd_gate_on_attention and name == "gate"):
+                del m._modules[name]
+        prefix = m.afd_prefix + "."
+        for key in [k for k in ctx if k.startswith(prefix)]:
+            del ctx[key]
+        moe_layers = getattr(compilation, "static_all_moe_layers", None)
+        if moe_layers:
+            moe_layers[:] = [n for n in moe_layers if not n.startswith(prefix)]
 
 
 def _build_remote(cls, args, kwargs, prefix: str, layer_idx: int, cfg) -> nn.Module:
@@ -209,6 +228,7 @@ def post_load(vllm_config, model: nn.Module, model_config, target_device) -> boo
     if cfg.is_attention:
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+        _detach_remote_children(vllm_config, model)
         process_weights_after_loading(model, model_config, target_device)
         gated = [m for m in model.modules() if isinstance(m, RemoteFFN) and m.afd_gate_on_attention]
         if gated:
