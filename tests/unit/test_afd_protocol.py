@@ -248,3 +248,9 @@ def test_fingerprint_missing_key_is_a_mismatch():
 def test_fingerprint_type_matters():
     msg = P.fingerprint_mismatch(fingerprint(), fingerprint(hidden_size="64"))
     assert msg is not None and "'hidden_size'" in msg
+
+
+def test_hello_list_of_objects_rejected():
+    body = b'{"role": "attention", "ffn_layers": [0, {"a": 1}]}'
+    with pytest.raises(P.AFDProtocolError, match="'ffn_layers' is a list of non-scalars"):
+        P.parse_hello(body)

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import git
+from pipeline_lib import git
 
 from afdtool import fetch
 from afdtool.errors import AfdError

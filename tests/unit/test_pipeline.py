@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import TRAILERS, git
+from pipeline_lib import TRAILERS, git
 
 from afdtool.series import load_repo
 

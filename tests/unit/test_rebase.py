@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import UPSTREAM, VERSION, git, make_tarball
+from pipeline_lib import UPSTREAM, VERSION, git, make_tarball
 
 ENGINE = UPSTREAM["vllm/engine.py"]
 

@@ -645,13 +645,6 @@ def test_hostile_hello_does_not_disturb_the_deployment(net, monkeypatch, secret,
     att.end_step()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tcp.TCPFFNConnector._handshake: a hello without role/rank/afd_revision "
-    "(when a shared secret is set: KeyError in _auth_token) or with a list 'rank' "
-    "(TypeError in `rank not in self.expected`) kills the handshake thread with an "
-    "unhandled exception; the stranger's socket is neither answered nor closed",
-)
 @pytest.mark.parametrize("secret, hello", HOSTILE_HELLOS)
 def test_hostile_hello_refused_cleanly(net, monkeypatch, secret, hello):
     _, _, reply, errors = _hostile(net, monkeypatch, secret, hello)
@@ -694,12 +687,6 @@ def test_zero_size_transfers(net):
 
 
 # ------------------------------------------------------------ start / close race
-@pytest.mark.xfail(
-    strict=True,
-    reason="tcp.TCPFFNConnector._accept_loop calls listener.settimeout() before checking "
-    "_stop: when close() runs before the accept thread does (start(); close()), the "
-    "thread dies with an unhandled OSError(EBADF)",
-)
 def test_close_right_after_start():
     """Deterministic form of the race: the accept thread first runs after close()."""
     ffn = tcp.TCPFFNConnector(make_ctx("ffn", free_port()))

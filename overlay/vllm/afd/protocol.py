@@ -106,8 +106,12 @@ def parse_hello(body: bytes) -> dict:
         raise AFDProtocolError(f"hello is not JSON: {e}") from e
     if not isinstance(payload, dict):
         raise AFDProtocolError("hello is not a JSON object")
+    scalar = (str, int, float, bool, type(None))
     for key, value in payload.items():
-        if not isinstance(value, (str, int, float, bool, type(None), list)):
+        if isinstance(value, list):
+            if not all(isinstance(v, scalar) for v in value):
+                raise AFDProtocolError(f"hello field {key!r} is a list of non-scalars")
+        elif not isinstance(value, scalar):
             raise AFDProtocolError(f"hello field {key!r} has a non-scalar value")
     return payload
 

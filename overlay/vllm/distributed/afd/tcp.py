@@ -308,7 +308,10 @@ class TCPFFNConnector(FFNConnector):
     # -- accepting ---------------------------------------------------------
     def _accept_loop(self) -> None:
         assert self.listener is not None
-        self.listener.settimeout(0.5)
+        try:
+            self.listener.settimeout(0.5)
+        except OSError:  # closed before this thread ran
+            return
         while not self._stop.is_set():
             try:
                 sock, addr = self.listener.accept()
@@ -333,6 +336,13 @@ class TCPFFNConnector(FFNConnector):
             pass
 
     def _handshake(self, sock: socket.socket, addr: str) -> None:
+        try:
+            self._handshake_or_drop(sock, addr)
+        except Exception as e:  # noqa: BLE001 - a stranger must never kill this thread
+            logger.warning("AFD: dropped connection from %s: %s", addr, e)
+            sock.close()
+
+    def _handshake_or_drop(self, sock: socket.socket, addr: str) -> None:
         deadline = time.monotonic() + min(10.0, self.timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -340,6 +350,18 @@ class TCPFFNConnector(FFNConnector):
             remote = parse_hello(_recv_bytes(sock, n, deadline, addr))
         except (AFDPeerError, AFDProtocolError) as e:
             logger.warning("AFD: dropped connection from %s: %s", addr, e)
+            sock.close()  # not this protocol: no answer
+            return
+        role, rank = remote.get("role"), remote.get("rank")
+        if (
+            not isinstance(role, str)
+            or not isinstance(rank, int)
+            or isinstance(rank, bool)
+            or not isinstance(remote.get("afd_revision"), str)
+        ):
+            logger.warning("AFD: refused %s: hello lacks role/rank/afd_revision", addr)
+            self._reply(sock, "refused: hello lacks a string role, an integer rank "
+                        "and afd_revision")
             sock.close()
             return
         secret = _secret(self.ctx)
@@ -352,7 +374,6 @@ class TCPFFNConnector(FFNConnector):
             return
         local = _hello_payload(self.ctx, "ffn")
         mismatch = fingerprint_mismatch(local, remote)
-        rank = remote.get("rank")
         if mismatch is None and remote.get("role") != "attention":
             mismatch = f"peer role is {remote.get('role')!r}, expected 'attention'"
         if mismatch is None and rank not in self.expected:
