@@ -11,7 +11,6 @@ FFN side mirrors them without any special case.
 from __future__ import annotations
 
 import atexit
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,6 @@ class AttentionClient:
         self.last = -1
         self.connector = None
         self.step_id = 0
-        self.lock = threading.Lock()
 
     def register(self, layer_idx: int, gated: bool = False) -> None:
         self.layers.append(layer_idx)

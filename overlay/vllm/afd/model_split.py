@@ -36,7 +36,6 @@ class AFDModelState:
     def __init__(self) -> None:
         self.real_device: torch.device | None = None
         self.ffn_modules: dict[int, nn.Module] = {}
-        self.remote_layers: list[int] = []
 
 
 STATE = AFDModelState()
@@ -155,7 +154,6 @@ def _build_remote(cls, args, kwargs, prefix: str, layer_idx: int, cfg) -> nn.Mod
     module.afd_prefix = prefix
     module.afd_gate_on_attention = gated
     attention.register_remote_layer(layer_idx, gated)
-    STATE.remote_layers.append(layer_idx)
     return module
 
 
@@ -225,27 +223,26 @@ def post_load(vllm_config, model: nn.Module, model_config, target_device) -> boo
     cfg = get_afd_config(vllm_config)
     if cfg is None:
         return False
-    if cfg.is_attention:
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-        _detach_remote_children(vllm_config, model)
-        process_weights_after_loading(model, model_config, target_device)
-        gated = [m for m in model.modules() if isinstance(m, RemoteFFN) and m.afd_gate_on_attention]
-        if gated:
-            logger.info("AFD: router of %d MoE layer(s) runs on the attention role", len(gated))
-        from vllm.afd import attention
-
-        attention.connect(vllm_config)
-        return True
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    if not STATE.ffn_modules:
+    remote = [m for m in model.modules() if isinstance(m, RemoteFFN)]
+    if not (remote if cfg.is_attention else STATE.ffn_modules):
         raise RuntimeError(
-            f"AFD FFN role: {type(model).__name__} built no FFN block; the architecture "
-            "is not AFD-enabled (see docs/adding-a-model.md)"
+            f"AFD {cfg.role} role: {type(model).__name__} has no AFD FFN block; the "
+            "architecture is not AFD-enabled (see docs/adding-a-model.md)"
         )
-    for module in STATE.ffn_modules.values():
-        process_weights_after_loading(module, model_config, target_device)
+    if cfg.is_ffn:
+        for module in STATE.ffn_modules.values():
+            process_weights_after_loading(module, model_config, target_device)
+        return True
+    _detach_remote_children(vllm_config, model)
+    process_weights_after_loading(model, model_config, target_device)
+    gated = sum(m.afd_gate_on_attention for m in remote)
+    if gated:
+        logger.info("AFD: router of %d MoE layer(s) runs on the attention role", gated)
+    from vllm.afd import attention
+
+    attention.connect(vllm_config)
     return True
 
 
