@@ -182,6 +182,9 @@ def afd_ffn_module(cls):
 def construction_device(vllm_config, target_device: torch.device):
     """Device to construct the model on: ``meta`` for the FFN role (whose FFN
     blocks are then built on ``target_device`` by :func:`afd_ffn_module`)."""
+    from vllm.afd import routing
+
+    routing.register()  # benchmark routing strategy, available to both roles and plain vLLM
     cfg = get_afd_config(vllm_config)
     STATE.real_device = target_device
     if cfg is None or not cfg.is_ffn:
