@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import io
 import re
 import shutil
@@ -28,6 +27,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from afdtool.fetch import sha256_file
 from afdtool.pin import REPO_ROOT, cache_dir
 from afdtool.wheel import (
     AfdError,
@@ -53,14 +53,6 @@ INSTALL_SH = REPO_ROOT / "scripts" / "gpu_install.sh"
 
 # --------------------------------------------------------------------------------------------
 # split / join / manifest
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def split_file(path: Path, out_dir: Path, part_size: int = PART_SIZE) -> list[Path]:

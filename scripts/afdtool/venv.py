@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from afdtool.fetch import sha256_file
 from afdtool.pin import REPO_ROOT, load_pin
 
 try:
@@ -61,14 +62,6 @@ def requirements(torch_version: str) -> list[str]:
         )
     pins = [f"{name}=={v}" for name, v in comp.items() if v is not None]
     return [f"torch=={torch_version}", *pins, *TEST_TOOLS]
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def base_digest(pin_values: dict[str, str], reqs: list[str], python: str) -> str:

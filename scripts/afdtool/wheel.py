@@ -35,6 +35,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from afdtool.fetch import sha256_file
 from afdtool.pin import REPO_ROOT, Pin, cache_dir, load_pin
 from afdtool.revision import patchset_revision
 
@@ -498,14 +499,6 @@ def repack(
 # Inputs, stamps, CLI
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def upstream_wheel(variant: str, pin: Pin) -> Path:
     """The cached, sha256-checked upstream wheel for a variant."""
     kind = f"wheel-{variant}"
@@ -517,7 +510,7 @@ def upstream_wheel(variant: str, pin: Pin) -> Path:
     path = cache_dir() / pin.get(key)
     if not path.is_file():
         raise AfdError(f"upstream wheel {path} is missing; run `make fetch`")
-    digest = _sha256_file(path)
+    digest = sha256_file(path)
     if digest != pin.get(key + "_SHA256"):
         raise AfdError(f"{path}: sha256 {digest} does not match the pin {pin.get(key + '_SHA256')}")
     return path
@@ -563,7 +556,7 @@ def build(
         upstream = upstream_wheel(variant, pin)
         upstream_sha = pin.get("WHEEL_CUDA_SHA256" if variant == "cuda" else "WHEEL_CPU_SHA256")
     else:
-        upstream_sha = _sha256_file(upstream)
+        upstream_sha = sha256_file(upstream)
     if tree_is_dirty(tree):
         print(f"warning: {tree} has uncommitted changes under vllm/; the wheel uses HEAD only")
     out_path = out_dir / wheel_filename(version)
@@ -575,7 +568,7 @@ def build(
         except ValueError:
             saved = {}
         if saved.get("inputs") == digest and saved.get("size") == out_path.stat().st_size:
-            if saved.get("sha256") == _sha256_file(out_path):
+            if saved.get("sha256") == sha256_file(out_path):
                 res = BuildResult(path=out_path, version=version, up_to_date=True)
                 res.copied = saved.get("copied", 0)
                 res.replaced = saved.get("replaced", [])
@@ -588,7 +581,7 @@ def build(
             {
                 "inputs": digest,
                 "size": out_path.stat().st_size,
-                "sha256": _sha256_file(out_path),
+                "sha256": sha256_file(out_path),
                 "copied": result.copied,
                 "replaced": result.replaced,
                 "added": result.added,
