@@ -695,3 +695,51 @@ def test_close_right_after_start():
     wait_until(lambda: lst.gettimeout() == 0.5, 2.0)  # the real thread got going
     ffn.close()
     ffn._accept_loop()  # what a late-starting accept thread runs: must just return
+
+
+# ------------------------------------------------------------ batch window
+def _two_ranks(net, window_ms):
+    port = free_port()
+    ffn = net.ffn(port, m=2, extra={"batch_window_ms": window_ms})
+    ffn.start()
+    atts = [net.attention(port, rank=r, m=2) for r in (0, 1)]
+    for a in atts:
+        Bg(a.connect).get()
+    wait_until(lambda: set(ffn.peers) == {0, 1})
+    return ffn, atts
+
+
+def _serve_one(ffn, att, rank):
+    att.begin_step(1, 1)
+    (peer,) = wait_peers(ffn, [rank]).values()
+    x = torch.randn(1, HIDDEN)
+    att.send(x)
+    buf = torch.empty(1, HIDDEN)
+    ffn.recv(peer, buf)
+    ffn.send(peer, buf)
+    att.recv(torch.empty(1, HIDDEN))
+    att.end_step()
+
+
+def test_batch_window_joins_a_rank_that_steps_a_moment_later(net):
+    ffn, (a0, a1) = _two_ranks(net, window_ms=500)
+    _serve_one(ffn, a1, 1)  # rank 1 is now a recently active rank
+    a0.begin_step(2, 3)
+    threading.Timer(0.05, a1.begin_step, args=(2, 4)).start()
+    ready = ffn.wait_step(1.0)
+    assert sorted((p.rank, p.control.num_tokens) for p in ready) == [(0, 3), (1, 4)]
+
+
+def test_goodbye_of_a_recently_active_rank_during_the_batch_window(net):
+    """Regression: the window waited on the socket of a rank that had just said goodbye."""
+    ffn, (a0, a1) = _two_ranks(net, window_ms=200)
+    _serve_one(ffn, a1, 1)
+    a1.close()  # goodbye
+    time.sleep(0.1)
+    a0.begin_step(2, 2)
+    time.sleep(0.1)  # both the goodbye and the step are waiting to be read
+    ready = ffn.wait_step(1.0)
+    while not ready:  # the goodbye may be read by one call, the step by the next
+        ready = ffn.wait_step(1.0)
+    assert [(p.rank, p.control.num_tokens) for p in ready] == [(0, 2)]
+    assert set(ffn.peers) == {0}

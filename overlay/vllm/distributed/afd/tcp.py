@@ -59,8 +59,8 @@ def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: float, pee
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AFDPeerError(f"AFD peer {peer} did not answer within the timeout")
-        sock.settimeout(remaining)
         try:
+            sock.settimeout(remaining)
             k = sock.recv_into(view[got:], n - got)
         except TimeoutError:
             raise AFDPeerError(f"AFD peer {peer} did not answer within the timeout") from None
@@ -98,8 +98,8 @@ def _recv_tensor(sock, out: torch.Tensor, deadline: float, peer: str) -> None:
 
 
 def _send_all(sock: socket.socket, data, timeout: float, peer: str) -> None:
-    sock.settimeout(timeout)
     try:
+        sock.settimeout(timeout)
         sock.sendall(data)
     except TimeoutError:
         raise AFDPeerError(f"AFD peer {peer} stopped reading (send timed out)") from None
@@ -443,10 +443,15 @@ class TCPFFNConnector(FFNConnector):
         return ready
 
     def _poll(self, peers: list[_Peer], timeout: float) -> list[StepPeer]:
+        # Peers that said goodbye meanwhile are gone (their sockets closed).
+        peers = [p for p in peers if self.peers.get(p.rank) is p]
+        if not peers:
+            time.sleep(min(timeout, 0.05))
+            return []
         try:
             readable, _, _ = select.select([p.sock for p in peers], [], [], timeout)
-        except (OSError, ValueError):
-            readable = [p.sock for p in peers]
+        except (OSError, ValueError):  # a socket closed under us: look again next time
+            return []
         ready: list[StepPeer] = []
         for p in peers:
             if p.sock in readable:
