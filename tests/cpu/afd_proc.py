@@ -51,6 +51,7 @@ def generate(args) -> int:
         for n in spec["max_tokens"]
     ]
     t1 = time.perf_counter()
+    print("AFD-PROC-GENERATING", flush=True)
     outs = llm.generate(spec["prompts"], params, use_tqdm=False)
     t_gen = time.perf_counter() - t1
     result = {"start_s": t_start, "generate_s": t_gen, "outputs": []}

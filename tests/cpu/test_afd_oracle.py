@@ -279,7 +279,7 @@ def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
                  "--out", str(tmp_path / "o.json")], model, tmp_path / "attn.log")
     procs.append(attn)
     deadline = time.monotonic() + START_TIMEOUT
-    while "connected to FFN rank" not in attn.text() or "Warming up done" not in attn.text():
+    while "AFD-PROC-GENERATING" not in attn.text():
         assert attn.p.poll() is None, attn.tail()
         assert time.monotonic() < deadline, attn.tail()
         time.sleep(0.5)
