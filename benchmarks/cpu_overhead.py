@@ -44,7 +44,7 @@ def connector_round_trip(hidden: int, tokens: list[int], iters: int) -> list[tup
     from vllm.distributed.afd.tcp import TCPAttentionConnector, TCPFFNConnector
 
     cfg = AFDConfig.from_dict({"role": "ffn", "port": free_port(), "timeout_s": 10})
-    fp = {k: 1 for k in FINGERPRINT_KEYS}
+    fp = {**{k: 1 for k in FINGERPRINT_KEYS}, "afd_revision": "bench"}
 
     def ctx(role: str) -> ConnectorContext:
         c = AFDConfig.from_dict({**cfg.to_dict(), "role": role})
