@@ -270,11 +270,14 @@ def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
     model = models_dir / "qwen3_moe"
     timeout_s = 5
     port = free_port()
-    spec = {"prompts": ["Hello, my name is"] * 4, "max_tokens": [400] * 4}
+    # 64 requests of 480 tokens, 4 at a time: thousands of steps, so the
+    # generation cannot finish before the kill on however fast a machine.
+    spec = {"prompts": ["Hello, my name is"] * 64, "max_tokens": [480] * 64}
     ffn = Proc(["ffn", "--afd", afd_json("ffn", port, timeout_s=timeout_s)], model,
                tmp_path / "ffn.log")
     procs.append(ffn)
     attn = Proc(["attention", "--afd", afd_json("attention", port, timeout_s=timeout_s),
+                 "--max-num-seqs", "4",
                  "--prompts", str(write_prompts(tmp_path, spec)),
                  "--out", str(tmp_path / "o.json")], model, tmp_path / "attn.log")
     procs.append(attn)
@@ -283,12 +286,14 @@ def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
         assert attn.p.poll() is None, attn.tail()
         assert time.monotonic() < deadline, attn.tail()
         time.sleep(0.5)
-    time.sleep(2)  # generation under way
+    time.sleep(1)  # generation under way
+    assert attn.p.poll() is None, attn.tail()
     ffn.kill(signal.SIGKILL)
     killed_at = time.monotonic()
     rc = attn.wait(timeout_s + 60)
     elapsed = time.monotonic() - killed_at
-    assert rc != 0
+    assert rc != 0, attn.tail()
+    assert not (tmp_path / "o.json").exists()
     assert "lost AFD peer FFN rank 0" in attn.text(), attn.tail()
     assert elapsed <= timeout_s + 5 + 10, f"attention took {elapsed:.1f} s to fail"
     print(f"attention failed {elapsed:.1f} s after the FFN was killed")
