@@ -158,7 +158,7 @@ def test_killed_ffn_fails_requests_fast(pair):
     def long_request() -> None:
         t0 = time.monotonic()
         result.update(su.stream_completion(
-            attn.url, "Once upon a time", max_tokens=200, temperature=0.0, ignore_eos=True,
+            attn.url, "Once upon a time", max_tokens=480, temperature=0.0, ignore_eos=True,
             timeout=AFD_TIMEOUT_S + 60, on_chunk=lambda chunk: flowing.set()))
         result["elapsed"] = time.monotonic() - t0
 
