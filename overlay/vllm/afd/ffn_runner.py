@@ -41,16 +41,26 @@ class _GivenRouterLogits(torch.nn.Module):
 
     def forward(self, block, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         self.logits = logits.to(self.out_dtype)
-        gate, runner_gate = block.gate, getattr(block.experts, "gate", None)
-        block._modules["gate"] = _LogitsStub(self)
+        stub = _LogitsStub(self)
+        experts = block.experts
+        gate, runner_gate = block.gate, getattr(experts, "gate", None)
+        # vLLM >= 0.32 lets the MoE runner hold the gate (the block passes the
+        # hidden states as "router_logits"); it may also fuse the gate with a
+        # shared-expert gate. Both read the stub while it is swapped in.
+        fused = getattr(experts, "_fse_fuse_gate", None)
+        block._modules["gate"] = stub
         if runner_gate is not None:
-            block.experts.gate = None
+            experts.gate = stub
+            if fused:
+                experts._fse_fuse_gate = False
         try:
             return block(x)
         finally:
             block._modules["gate"] = gate
             if runner_gate is not None:
-                block.experts.gate = runner_gate
+                experts.gate = runner_gate
+                if fused:
+                    experts._fse_fuse_gate = fused
             self.logits = None
 
 
