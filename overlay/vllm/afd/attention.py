@@ -11,10 +11,13 @@ FFN side mirrors them without any special case.
 from __future__ import annotations
 
 import atexit
+import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
+from vllm.afd import metrics
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -34,6 +37,8 @@ class AttentionClient:
         self.last = -1
         self.connector = None
         self.step_id = 0
+        self._transfer = self._wait = 0.0
+        self._bytes_out = self._bytes_in = 0
 
     def register(self, layer_idx: int, gated: bool = False) -> None:
         self.layers.append(layer_idx)
@@ -57,7 +62,13 @@ class AttentionClient:
             device=vllm_config.device_config.device,
         )
         connector = create_attention_connector(ctx)
-        connector.connect()
+        metrics.STATS.start("attention", rank, self.peers)
+        try:
+            connector.connect()
+        except Exception:
+            metrics.STATS.inc("handshake_failures")
+            metrics.STATS.write()
+            raise
         self.connector = connector
         atexit.register(self.close)
 
@@ -68,18 +79,53 @@ class AttentionClient:
         if conn is None:
             raise RuntimeError("AFD attention role: the FFN connection is not established")
         x = x.contiguous()
+        t0 = time.perf_counter()
         if layer_idx == self.first:
             self.step_id += 1
+            self._transfer = self._wait = 0.0
+            self._bytes_out = self._bytes_in = 0
             conn.begin_step(self.step_id, x.shape[0])
             _install_step_metadata(AFDStepMetadata(self.step_id, x.shape[0]))
-        conn.send(x)
-        if router_logits is not None:
-            # Router logits travel as float32 (exact for bf16/fp16/fp32 gates).
-            conn.send(router_logits.to(torch.float32).contiguous())
-        out = conn.recv(torch.empty_like(x))
+        with record_function("afd.send"):
+            conn.send(x)
+            sent = x.numel() * x.element_size()
+            if router_logits is not None:
+                # Router logits travel as float32 (exact for bf16/fp16/fp32 gates).
+                logits = router_logits.to(torch.float32).contiguous()
+                conn.send(logits)
+                sent += logits.numel() * 4
+        t1 = time.perf_counter()
+        with record_function("afd.ffn_wait"):
+            out = conn.recv(torch.empty_like(x))
+        t2 = time.perf_counter()
+        self._transfer += t1 - t0
+        self._wait += t2 - t1
+        self._bytes_out += sent
+        self._bytes_in += out.numel() * out.element_size()
         if layer_idx == self.last:
             conn.end_step()
+            self._record_step()
         return out
+
+    def _record_step(self) -> None:
+        stats = metrics.STATS
+        stats.inc("steps")
+        stats.inc("layer_exchanges", len(self.layers))
+        stats.inc("bytes_sent", self._bytes_out)
+        stats.inc("bytes_received", self._bytes_in)
+        stats.observe("step_transfer_seconds", self._transfer)
+        stats.observe("step_ffn_wait_seconds", self._wait)
+
+    def peers(self) -> dict[str, bool]:
+        conn = self.connector
+        name = f"ffn_rank_{getattr(conn, 'ffn_rank', 0)}" if conn is not None else "ffn"
+        return {name: conn is not None and conn.is_up()}
+
+    def profile(self, is_start: bool) -> None:
+        """Start/stop the torch profiler of the FFN rank (vLLM's /start_profile
+        and /stop_profile on the attention server call this)."""
+        if self.connector is not None:
+            self.connector.profile(is_start)
 
     def close(self) -> None:
         if self.connector is not None:

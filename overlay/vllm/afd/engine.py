@@ -125,6 +125,22 @@ def _exit_worker(message: str) -> None:
     os._exit(1)
 
 
+def worker_profile_hook(worker, is_start: bool) -> bool:
+    """Hook at the top of ``Worker.profile``. The attention role also starts/
+    stops the FFN rank's profiler; the FFN role profiles its serve thread
+    instead of the (idle) worker. True when the worker must do nothing more."""
+    cfg = getattr(worker.vllm_config, "afd_config", None)
+    if cfg is None:
+        return False
+    if cfg.role == "ffn":
+        worker.model_runner.request_profile(is_start)
+        return True
+    from vllm.afd.attention import CLIENT
+
+    CLIENT.profile(is_start)
+    return False
+
+
 def reject_generation(vllm_config) -> None:
     """Frontend hook: refuse generation on an FFN server with a clear error."""
     if is_ffn_role(vllm_config):

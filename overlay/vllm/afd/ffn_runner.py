@@ -16,7 +16,9 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.profiler import record_function
 
+from vllm.afd import metrics
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -92,6 +94,11 @@ class FFNModelRunner:
         self.steps_served = 0
         self.batched_steps = 0  # steps that served several attention ranks at once
         self.gates: dict[int, _GivenRouterLogits] = {}
+        self.rank = 0
+        self.profiler = None  # TorchProfilerWrapper while an attention rank profiles
+        self._sync_timing = False
+        self._profile_lock = threading.Lock()
+        self._profile_local: list[bool] = []  # from this server's own /start_profile
         self.on_fatal: list[Callable[[str], None]] = []
         ACTIVE.append(self)
 
@@ -164,8 +171,12 @@ class FFNModelRunner:
             max_num_tokens=int(self.vllm_config.scheduler_config.max_num_batched_tokens),
             device=self.device,
         )
+        self.rank = rank
         self.connector = create_ffn_connector(ctx)
         self.connector.start()
+        metrics.STATS.start("ffn", rank, self.connector.peer_states)
+        # With nccl, compute time is host-side (kernels run asynchronously).
+        self._sync_timing = self.device.type == "cuda" and cfg.connector in ("gloo", "tcp")
         self._thread = threading.Thread(target=self._serve, name="afd-ffn-serve", daemon=True)
         self._thread.start()
 
@@ -175,9 +186,19 @@ class FFNModelRunner:
                 torch.accelerator.set_device_index(self.device.index or 0)
             with torch.inference_mode():
                 while not self._stop.is_set():
-                    ready = self.connector.wait_step(timeout=0.2)
+                    with self._profile_lock:
+                        local, self._profile_local = self._profile_local, []
+                    for start in [*local, *self.connector.take_profile_requests()]:
+                        self._profile(start)
+                    t0 = time.perf_counter()
+                    with record_function("afd.wait_step"):
+                        ready = self.connector.wait_step(timeout=0.2)
                     if ready:
                         self._run_step(ready)
+                    else:
+                        metrics.STATS.inc("ffn_idle_seconds", time.perf_counter() - t0)
+                    if self.profiler is not None:
+                        self.profiler.step()
         except Exception as e:  # noqa: BLE001 - reported to the engine
             if self._stop.is_set():
                 return
@@ -195,25 +216,89 @@ class FFNModelRunner:
         for c in counts:
             offsets.append(offsets[-1] + c)
         x = torch.empty((total, self.hidden_size), dtype=self.dtype, device=self.device)
+        stats = metrics.STATS
+        clock = time.perf_counter
+        transfer = compute = 0.0
+        nbytes_in = nbytes_out = 0
         with set_forward_context(None, self.vllm_config, num_tokens=total):
             for layer_idx, module in self.modules.items():
-                for i, peer in enumerate(ready):
-                    self.connector.recv(peer, x[offsets[i] : offsets[i + 1]])
-                router = self.gates.get(layer_idx)
-                if router is None:
-                    y = module(x)
-                else:
-                    logits = torch.empty(
-                        (total, router.num_experts), dtype=torch.float32, device=self.device
-                    )
+                t0 = clock()
+                with record_function("afd.recv"):
                     for i, peer in enumerate(ready):
-                        self.connector.recv(peer, logits[offsets[i] : offsets[i + 1]])
-                    y = router.forward(module, x, logits)
-                for i, peer in enumerate(ready):
-                    self.connector.send(peer, y[offsets[i] : offsets[i + 1]])
+                        self.connector.recv(peer, x[offsets[i] : offsets[i + 1]])
+                    router = self.gates.get(layer_idx)
+                    logits = None
+                    if router is not None:
+                        logits = torch.empty(
+                            (total, router.num_experts), dtype=torch.float32, device=self.device
+                        )
+                        for i, peer in enumerate(ready):
+                            self.connector.recv(peer, logits[offsets[i] : offsets[i + 1]])
+                t1 = clock()
+                with record_function("afd.ffn_compute"):
+                    y = module(x) if router is None else router.forward(module, x, logits)
+                    if self._sync_timing:
+                        # The TCP connector stages through host memory anyway;
+                        # syncing here only moves the wait into compute time.
+                        torch.cuda.current_stream().synchronize()
+                t2 = clock()
+                with record_function("afd.send"):
+                    for i, peer in enumerate(ready):
+                        self.connector.send(peer, y[offsets[i] : offsets[i + 1]])
+                t3 = clock()
+                stats.layer(layer_idx, t2 - t1)
+                transfer += (t1 - t0) + (t3 - t2)
+                compute += t2 - t1
+                nbytes_in += x.numel() * x.element_size() + (
+                    0 if logits is None else logits.numel() * 4
+                )
+                nbytes_out += y.numel() * y.element_size()
         self.steps_served += 1
+        stats.inc("ffn_steps_served")
+        stats.inc("bytes_received", nbytes_in)
+        stats.inc("bytes_sent", nbytes_out)
+        stats.observe("ffn_step_compute_seconds", compute)
+        stats.observe("ffn_step_transfer_seconds", transfer)
         if len(ready) > 1:
             self.batched_steps += 1
+            stats.inc("ffn_batched_steps")
+
+    def request_profile(self, start: bool) -> None:
+        """Start/stop profiling from this FFN server's own profiler controls;
+        the serve thread acts on it before its next step."""
+        with self._profile_lock:
+            self._profile_local.append(start)
+
+    def _profile(self, start: bool) -> None:
+        """A profiler request from an attention rank, run in the serve thread
+        (the thread whose work the trace must show)."""
+        pcfg = getattr(self.vllm_config, "profiler_config", None)
+        if pcfg is None or getattr(pcfg, "profiler", None) != "torch":
+            logger.warning(
+                "AFD FFN role: an attention rank asked to %s profiling, but this FFN "
+                "server has no torch profiler configured; start it with "
+                "--profiler-config '{\"profiler\": \"torch\", \"torch_profiler_dir\": DIR}' "
+                "to get FFN traces",
+                "start" if start else "stop",
+            )
+            return
+        if start:
+            if self.profiler is None:
+                from vllm.profiler.wrapper import TorchProfilerWrapper
+
+                activities = ["CPU", "CUDA"] if self.device.type == "cuda" else ["CPU"]
+                self.profiler = TorchProfilerWrapper(
+                    pcfg, worker_name=f"afd-ffn-rank{self.rank}", local_rank=self.rank,
+                    activities=activities,
+                )  # fmt: skip
+                self.profiler.start()
+                logger.info("AFD FFN role: profiler started (traces to %s)",
+                            pcfg.torch_profiler_dir)
+        elif self.profiler is not None:
+            profiler, self.profiler = self.profiler, None
+            profiler.stop()
+            logger.info("AFD FFN role: profiler stopped, trace written to %s",
+                        pcfg.torch_profiler_dir)
 
     def stop(self) -> None:
         self._stop.set()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 HELLO_MAGIC = b"AFDH"
 HELLO_PREAMBLE = struct.Struct("<4sI")
 MAX_HELLO_BYTES = 64 * 1024
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # magic, type, step id, number of tokens, flags, reserved
 CONTROL = struct.Struct("<4sIQIII")
@@ -28,7 +28,13 @@ CONTROL_MAGIC = b"AFDS"
 MSG_STEP = 1
 MSG_HEARTBEAT = 2
 MSG_GOODBYE = 3
-MSG_TYPES = {MSG_STEP: "step", MSG_HEARTBEAT: "heartbeat", MSG_GOODBYE: "goodbye"}
+MSG_PROFILE = 4  # flags: 1 = start the FFN rank's profiler, 0 = stop it
+MSG_TYPES = {
+    MSG_STEP: "step",
+    MSG_HEARTBEAT: "heartbeat",
+    MSG_GOODBYE: "goodbye",
+    MSG_PROFILE: "profile",
+}
 
 # Fingerprint keys that must agree between the two sides.
 FINGERPRINT_KEYS = (

@@ -57,6 +57,16 @@ class AttentionConnector(ABC):
     def close(self) -> None:
         """Say goodbye (clean stop) and release resources."""
 
+    def is_up(self) -> bool:
+        """The FFN peer is connected and has not failed."""
+        return True
+
+    def profile(self, is_start: bool) -> None:
+        """Ask the FFN rank to start/stop its torch profiler (between steps)."""
+        raise NotImplementedError(
+            f"the AFD connector {self.ctx.config.connector!r} cannot drive the FFN profiler"
+        )
+
 
 @dataclass
 class StepPeer:
@@ -89,6 +99,15 @@ class FFNConnector(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def take_profile_requests(self) -> list[bool]:
+        """Profiler start (True) / stop (False) requests received since the
+        last call, oldest first."""
+        return []
+
+    def peer_states(self) -> dict[str, bool]:
+        """Attention ranks this FFN rank serves: connected or not."""
+        return {}
 
 
 _ATTENTION: dict[str, Callable[[ConnectorContext], AttentionConnector]] = {}

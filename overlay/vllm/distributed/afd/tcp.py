@@ -20,11 +20,13 @@ import time
 
 import torch
 
+from vllm.afd import metrics
 from vllm.afd.protocol import (
     CONTROL,
     HELLO_PREAMBLE,
     MSG_GOODBYE,
     MSG_HEARTBEAT,
+    MSG_PROFILE,
     MSG_STEP,
     AFDHandshakeError,
     AFDPeerError,
@@ -231,6 +233,16 @@ class TCPAttentionConnector(AttentionConnector):
         with self._lock:
             self._in_step = False
 
+    def is_up(self) -> bool:
+        return self.sock is not None and not self._dead
+
+    def profile(self, is_start: bool) -> None:
+        with self._lock:
+            sock = self._check()
+            self._send(sock, Control(MSG_PROFILE, flags=int(is_start)).pack())
+        logger.info("AFD: asked %s to %s its profiler", self.peer,
+                    "start" if is_start else "stop")
+
     def close(self) -> None:
         self._closed.set()
         with self._lock:
@@ -274,6 +286,7 @@ class TCPFFNConnector(FFNConnector):
         self._ever_complete = False
         self._fatal: str | None = None
         self._accept_thread: threading.Thread | None = None
+        self._profile_requests: list[bool] = []
 
     def start(self) -> None:
         host, port = self.addr
@@ -340,6 +353,7 @@ class TCPFFNConnector(FFNConnector):
             self._handshake_or_drop(sock, addr)
         except Exception as e:  # noqa: BLE001 - a stranger must never kill this thread
             logger.warning("AFD: dropped connection from %s: %s", addr, e)
+            metrics.STATS.inc("handshake_failures")
             sock.close()
 
     def _handshake_or_drop(self, sock: socket.socket, addr: str) -> None:
@@ -350,6 +364,7 @@ class TCPFFNConnector(FFNConnector):
             remote = parse_hello(_recv_bytes(sock, n, deadline, addr))
         except (AFDPeerError, AFDProtocolError) as e:
             logger.warning("AFD: dropped connection from %s: %s", addr, e)
+            metrics.STATS.inc("handshake_failures")
             sock.close()  # not this protocol: no answer
             return
         role, rank = remote.get("role"), remote.get("rank")
@@ -360,6 +375,7 @@ class TCPFFNConnector(FFNConnector):
             or not isinstance(remote.get("afd_revision"), str)
         ):
             logger.warning("AFD: refused %s: hello lacks role/rank/afd_revision", addr)
+            metrics.STATS.inc("handshake_failures")
             self._reply(sock, "refused: hello lacks a string role, an integer rank "
                         "and afd_revision")
             sock.close()
@@ -369,6 +385,7 @@ class TCPFFNConnector(FFNConnector):
             str(remote.get("auth", "")), _auth_token(secret, remote)
         ):
             logger.warning("AFD: dropped connection from %s: bad shared secret", addr)
+            metrics.STATS.inc("handshake_failures")
             self._reply(sock, "authentication failed (shared secret differs)")
             sock.close()
             return
@@ -382,6 +399,7 @@ class TCPFFNConnector(FFNConnector):
                 f"(it serves {sorted(self.expected)})"
             )
         if mismatch:
+            metrics.STATS.inc("handshake_failures")
             self._reply(sock, mismatch)
             sock.close()
             if remote.get("role") == "attention":
@@ -390,6 +408,7 @@ class TCPFFNConnector(FFNConnector):
             return
         with self._lock:
             if rank in self.peers:
+                metrics.STATS.inc("handshake_failures")
                 self._reply(sock, f"attention rank {rank} is already connected")
                 sock.close()
                 return
@@ -480,7 +499,21 @@ class TCPFFNConnector(FFNConnector):
             logger.info("AFD: %s said goodbye", p.name)
             self._drop(p)
             return None
+        if ctrl.type == MSG_PROFILE:
+            with self._lock:
+                self._profile_requests.append(bool(ctrl.flags))
+            return None
         return ctrl
+
+    def take_profile_requests(self) -> list[bool]:
+        with self._lock:
+            requests, self._profile_requests = self._profile_requests, []
+        return requests
+
+    def peer_states(self) -> dict[str, bool]:
+        with self._lock:
+            connected = set(self.peers)
+        return {f"attention_rank_{r}": r in connected for r in sorted(self.expected)}
 
     def _drop(self, p: _Peer) -> None:
         with self._lock:

@@ -1,0 +1,327 @@
+# SPDX-License-Identifier: Apache-2.0
+"""AFD metrics: recorded where the work happens, served by the API server.
+
+The AFD runtime runs in the engine-core / worker process, while ``/metrics``
+is served by the API-server process. Each AFD process keeps its figures in
+:data:`STATS` and a daemon thread writes them as one small JSON snapshot per
+process (``<role>-<rank>-<pid>.json`` under ``$VLLM_AFD_METRICS_DIR``,
+default ``<tmp>/vllm-afd-metrics``) every :data:`WRITE_INTERVAL_S`. The API
+server's collector (:func:`register_prometheus`, hooked into vLLM's
+``/metrics`` router) turns the snapshots of its own descendant processes
+into Prometheus series; snapshots of other or dead processes are ignored.
+Nothing is read from the network here.
+
+Series (all labelled ``role`` and ``afd_rank``):
+
+attention role
+    ``vllm:afd_steps_total``, ``vllm:afd_layer_exchanges_total``,
+    ``vllm:afd_step_transfer_seconds`` (histogram: per step, time spent
+    handing the step's activations and control messages to the connector),
+    ``vllm:afd_step_ffn_wait_seconds`` (histogram: per step, time blocked
+    until the FFN outputs arrived), ``vllm:afd_bytes_sent_total``,
+    ``vllm:afd_bytes_received_total``, ``vllm:afd_peer_up{peer}``,
+    ``vllm:afd_handshake_failures_total``.
+FFN role
+    ``vllm:afd_ffn_steps_served_total``, ``vllm:afd_ffn_batched_steps_total``,
+    ``vllm:afd_ffn_step_compute_seconds`` (histogram),
+    ``vllm:afd_ffn_step_transfer_seconds`` (histogram),
+    ``vllm:afd_ffn_layer_compute_seconds_total{layer}``,
+    ``vllm:afd_ffn_layer_calls_total{layer}``,
+    ``vllm:afd_ffn_idle_seconds_total``, ``vllm:afd_bytes_sent_total``,
+    ``vllm:afd_bytes_received_total``, ``vllm:afd_peer_up{peer}``,
+    ``vllm:afd_handshake_failures_total``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+WRITE_INTERVAL_S = 0.5
+# Seconds; per-step AFD times range from tens of microseconds (CPU, tiny
+# model) to tens of milliseconds (large prefill over a network).
+BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+HISTOGRAMS = {
+    "step_transfer_seconds": "Per AFD step: time spent sending activations and control "
+    "messages to the peer.",
+    "step_ffn_wait_seconds": "Per AFD step (attention role): time blocked waiting for the "
+    "FFN outputs (FFN compute + transfer back).",
+    "ffn_step_compute_seconds": "Per AFD step (FFN role): FFN compute time over all layers.",
+    "ffn_step_transfer_seconds": "Per AFD step (FFN role): time receiving inputs and sending "
+    "outputs.",
+}
+COUNTERS = {
+    "steps": "AFD steps (forward passes) exchanged with the FFN role.",
+    "layer_exchanges": "AFD layer exchanges (one per remote FFN layer per step).",
+    "bytes_sent": "Bytes of activations sent to AFD peers.",
+    "bytes_received": "Bytes of activations received from AFD peers.",
+    "handshake_failures": "AFD handshakes that failed or connections dropped before one.",
+    "ffn_steps_served": "AFD steps served by this FFN rank.",
+    "ffn_batched_steps": "AFD steps that served several attention ranks in one pass.",
+    "ffn_idle_seconds": "Seconds the FFN serve loop waited with no step to run.",
+}
+ATTENTION_COUNTERS = ("steps", "layer_exchanges", "bytes_sent", "bytes_received",
+                      "handshake_failures")
+FFN_COUNTERS = ("ffn_steps_served", "ffn_batched_steps", "ffn_idle_seconds", "bytes_sent",
+                "bytes_received", "handshake_failures")
+ATTENTION_HISTOGRAMS = ("step_transfer_seconds", "step_ffn_wait_seconds")
+FFN_HISTOGRAMS = ("ffn_step_compute_seconds", "ffn_step_transfer_seconds")
+LAYER_COUNTERS = {
+    "ffn_layer_compute_seconds": "FFN compute seconds per layer.",
+    "ffn_layer_calls": "FFN calls per layer.",
+}
+
+
+def metrics_dir() -> Path:
+    return Path(
+        os.environ.get("VLLM_AFD_METRICS_DIR")
+        or os.path.join(tempfile.gettempdir(), "vllm-afd-metrics")
+    )
+
+
+class _Histogram:
+    __slots__ = ("counts", "sum", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)  # last: +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        i = 0
+        while i < len(BUCKETS) and v > BUCKETS[i]:
+            i += 1
+        self.counts[i] += 1
+        self.sum += v
+        self.count += 1
+
+
+class AFDStats:
+    """Process-local AFD figures (cheap to update from the hot path)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.role: str | None = None
+        self.rank = 0
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self.layers: dict[str, dict[int, float]] = {k: {} for k in LAYER_COUNTERS}
+        self.histograms = {k: _Histogram() for k in HISTOGRAMS}
+        self.peers: Callable[[], dict[str, bool]] | None = None
+        self._writer: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._path: Path | None = None
+
+    # -- recording ---------------------------------------------------------
+    def inc(self, name: str, n: float = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.histograms[name].observe(seconds)
+
+    def layer(self, layer_idx: int, seconds: float) -> None:
+        with self._lock:
+            t = self.layers["ffn_layer_compute_seconds"]
+            c = self.layers["ffn_layer_calls"]
+            t[layer_idx] = t.get(layer_idx, 0.0) + seconds
+            c[layer_idx] = c.get(layer_idx, 0) + 1
+
+    # -- snapshots -----------------------------------------------------------
+    def snapshot(self) -> dict:
+        peers = {}
+        if self.peers is not None:
+            with contextlib.suppress(Exception):
+                peers = {k: bool(v) for k, v in self.peers().items()}
+        with self._lock:
+            return {
+                "pid": os.getpid(),
+                "role": self.role,
+                "rank": self.rank,
+                "time": time.time(),
+                "counters": dict(self.counters),
+                "layers": {k: {str(i): v for i, v in d.items()} for k, d in self.layers.items()},
+                "histograms": {
+                    k: {"counts": list(h.counts), "sum": h.sum, "count": h.count}
+                    for k, h in self.histograms.items()
+                },
+                "peers": peers,
+            }
+
+    def start(self, role: str, rank: int, peers: Callable[[], dict[str, bool]]) -> None:
+        """Begin writing snapshots for this process (idempotent)."""
+        self.role, self.rank, self.peers = role, rank, peers
+        if self._writer is not None:
+            return
+        directory = metrics_dir()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return  # metrics are best effort; serving goes on
+        self._path = directory / f"{role}-{rank}-{os.getpid()}.json"
+        self.write()
+        self._writer = threading.Thread(target=self._loop, name="afd-metrics", daemon=True)
+        self._writer.start()
+        atexit.register(self.close)
+
+    def write(self) -> None:
+        if self._path is None:
+            return
+        tmp = self._path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.snapshot()))
+            os.replace(tmp, self._path)
+        except OSError:
+            pass
+
+    def _loop(self) -> None:
+        while not self._stop.wait(WRITE_INTERVAL_S):
+            self.write()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                self._path.unlink()
+            self._path = None
+
+
+STATS = AFDStats()
+
+
+# ---------------------------------------------------------------- collector
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ..." - comm may hold spaces and parentheses
+    try:
+        return int(stat.rsplit(")", 1)[1].split()[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def is_descendant(pid: int, ancestor: int) -> bool:
+    for _ in range(64):
+        if pid == ancestor:
+            return True
+        if pid is None or pid <= 1:
+            return False
+        pid = _parent(pid)
+    return False
+
+
+def read_snapshots(ancestor: int | None = None) -> list[dict]:
+    """Snapshots of live AFD processes that are ``ancestor`` (default: this
+    process) or its descendants; the newest per (role, rank)."""
+    ancestor = os.getpid() if ancestor is None else ancestor
+    best: dict[tuple, dict] = {}
+    try:
+        paths = sorted(metrics_dir().glob("*.json"))
+    except OSError:
+        return []
+    for path in paths:
+        try:
+            snap = json.loads(path.read_text())
+            pid = int(snap["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not is_descendant(pid, ancestor):
+            continue
+        key = (snap.get("role"), snap.get("rank"))
+        if key not in best or snap.get("time", 0) > best[key].get("time", 0):
+            best[key] = snap
+    return list(best.values())
+
+
+def collect_families(snapshots: list[dict]):
+    """Prometheus metric families for the given snapshots."""
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    labels = ["role", "afd_rank"]
+    counters = {
+        k: CounterMetricFamily(f"vllm:afd_{k}", doc, labels=labels) for k, doc in COUNTERS.items()
+    }
+    layers = {
+        k: CounterMetricFamily(f"vllm:afd_{k}", doc, labels=[*labels, "layer"])
+        for k, doc in LAYER_COUNTERS.items()
+    }
+    hists = {
+        k: HistogramMetricFamily(f"vllm:afd_{k}", doc, labels=labels)
+        for k, doc in HISTOGRAMS.items()
+    }
+    up = GaugeMetricFamily(
+        "vllm:afd_peer_up", "1 while the AFD peer is connected, 0 when it is not.",
+        labels=[*labels, "peer"],
+    )  # fmt: skip
+    for snap in snapshots:
+        role = str(snap.get("role"))
+        lv = [role, str(snap.get("rank"))]
+        ffn = role == "ffn"
+        for k, v in snap.get("counters", {}).items():
+            if k in (FFN_COUNTERS if ffn else ATTENTION_COUNTERS):
+                counters[k].add_metric(lv, v)
+        if ffn:
+            for k, per_layer in snap.get("layers", {}).items():
+                if k in layers:
+                    for layer, v in sorted(per_layer.items(), key=lambda kv: int(kv[0])):
+                        layers[k].add_metric([*lv, layer], v)
+        for k, h in snap.get("histograms", {}).items():
+            if k not in (FFN_HISTOGRAMS if ffn else ATTENTION_HISTOGRAMS):
+                continue
+            cum, buckets = 0, []
+            for bound, c in zip([*map(str, BUCKETS), "+Inf"], h["counts"]):
+                cum += c
+                buckets.append((bound, cum))
+            hists[k].add_metric(lv, buckets, h["sum"])
+        for peer, is_up in snap.get("peers", {}).items():
+            up.add_metric([*lv, peer], 1.0 if is_up else 0.0)
+    yield from counters.values()
+    yield from layers.values()
+    yield from hists.values()
+    yield up
+
+
+class AFDCollector:
+    """prometheus_client collector over the AFD snapshots of this server."""
+
+    def __init__(self, ancestor: int | None = None) -> None:
+        self.ancestor = os.getpid() if ancestor is None else ancestor
+
+    def collect(self):
+        yield from collect_families(read_snapshots(self.ancestor))
+
+    def describe(self):
+        return []  # unchecked collector: names are validated at collect time
+
+
+def register_prometheus(registry, args) -> None:
+    """Hook in vLLM's ``/metrics`` router: add the AFD series when this server
+    runs an AFD role."""
+    from vllm.config.afd import AFDConfig
+
+    try:
+        cfg = AFDConfig.from_engine_args(
+            getattr(args, "afd_config", None), getattr(args, "additional_config", None)
+        )
+    except Exception:  # noqa: BLE001 - the engine reports bad configs itself
+        return
+    if cfg is not None:
+        registry.register(AFDCollector())
