@@ -93,7 +93,7 @@ def test_control_bad_magic():
         P.Control.unpack(data, 8)
 
 
-@pytest.mark.parametrize("mtype", [0, 4, 99, 2**32 - 1])
+@pytest.mark.parametrize("mtype", [0, 5, 99, 2**32 - 1])
 def test_control_unknown_type(mtype):
     data = P.CONTROL.pack(P.CONTROL_MAGIC, mtype, 1, 1, 0, 0)
     with pytest.raises(P.AFDProtocolError, match=rf"unknown control message type {mtype}$"):
@@ -254,3 +254,11 @@ def test_hello_list_of_objects_rejected():
     body = b'{"role": "attention", "ffn_layers": [0, {"a": 1}]}'
     with pytest.raises(P.AFDProtocolError, match="'ffn_layers' is a list of non-scalars"):
         P.parse_hello(body)
+
+
+@pytest.mark.parametrize("start", [True, False])
+def test_control_profile_round_trip(start):
+    ctrl = P.Control(P.MSG_PROFILE, flags=int(start))
+    got = P.Control.unpack(ctrl.pack(), 8)
+    assert got.type == P.MSG_PROFILE and bool(got.flags) is start
+    assert P.MSG_TYPES[P.MSG_PROFILE] == "profile"

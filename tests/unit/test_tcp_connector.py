@@ -743,3 +743,56 @@ def test_goodbye_of_a_recently_active_rank_during_the_batch_window(net):
         ready = ffn.wait_step(1.0)
     assert [(p.rank, p.control.num_tokens) for p in ready] == [(0, 2)]
     assert set(ffn.peers) == {0}
+
+
+# ------------------------------------------------- profiler control and peer state
+def test_profile_requests_reach_the_ffn_between_steps(net):
+    ffn, att = connected_pair(net)
+    assert ffn.take_profile_requests() == []
+    att.profile(True)
+    att.begin_step(1, 2)
+    (peer,) = wait_peers(ffn, [0]).values()  # the step still arrives after the request
+    assert peer.control.num_tokens == 2
+    assert ffn.take_profile_requests() == [True]
+    assert ffn.take_profile_requests() == []  # taken once
+    x = torch.randn(2, HIDDEN)
+    att.send(x)
+    buf = torch.empty(2, HIDDEN)
+    ffn.recv(peer, buf)
+    ffn.send(peer, buf * 2)
+    assert torch.equal(att.recv(torch.empty(2, HIDDEN)), x * 2)
+    att.end_step()
+    att.profile(False)
+    wait_until(lambda: ffn.wait_step(0.05) == [] and ffn._profile_requests == [False],
+               what="profile stop request")
+    assert ffn.take_profile_requests() == [False]
+
+
+def test_peer_states_and_is_up(net):
+    port = free_port()
+    ffn = net.ffn(port, m=2)
+    ffn.start()
+    assert ffn.peer_states() == {"attention_rank_0": False, "attention_rank_1": False}
+    att = net.attention(port, m=2, rank=1)
+    assert not att.is_up()
+    Bg(att.connect).get()
+    wait_until(lambda: 1 in ffn.peers)
+    assert ffn.peer_states() == {"attention_rank_0": False, "attention_rank_1": True}
+    assert att.is_up()
+    ffn.close()
+    with pytest.raises(P.AFDPeerError):
+        att.begin_step(1, 1)
+        att.recv(torch.empty(1, HIDDEN))
+    assert not att.is_up()
+
+
+def test_dropped_strangers_count_as_handshake_failures(net):
+    from vllm.afd import metrics
+
+    ffn, _ = connected_pair(net)
+    before = metrics.STATS.counters["handshake_failures"]
+    s = net.raw(ffn.addr[1])
+    s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+    assert_dropped(s)
+    wait_until(lambda: metrics.STATS.counters["handshake_failures"] == before + 1,
+               what="handshake failure counted")

@@ -293,10 +293,9 @@ def collect_families(snapshots: list[dict]):
             hists[k].add_metric(lv, buckets, h["sum"])
         for peer, is_up in snap.get("peers", {}).items():
             up.add_metric([*lv, peer], 1.0 if is_up else 0.0)
-    yield from counters.values()
-    yield from layers.values()
-    yield from hists.values()
-    yield up
+    # Only families with samples: an FFN server shows no attention series.
+    families = [*counters.values(), *layers.values(), *hists.values(), up]
+    yield from (f for f in families if f.samples)
 
 
 class AFDCollector:

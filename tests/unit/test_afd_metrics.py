@@ -1,0 +1,169 @@
+"""AFD metrics (vllm.afd.metrics): snapshots, the collector and the Prometheus text."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+metrics = pytest.importorskip("vllm.afd.metrics")
+prometheus_client = pytest.importorskip("prometheus_client")
+
+
+@pytest.fixture
+def mdir(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def exposition(snapshots) -> dict[str, float]:
+    """Prometheus text of the collector, parsed into {"name{labels}": value}."""
+
+    class C:
+        def collect(self):
+            yield from metrics.collect_families(snapshots)
+
+    reg = prometheus_client.CollectorRegistry()
+    reg.register(C())
+    text = prometheus_client.generate_latest(reg).decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def test_histogram_buckets():
+    h = metrics._Histogram()
+    for v in (0.00005, 0.0001, 0.003, 100.0):
+        h.observe(v)
+    assert h.count == 4 and h.sum == pytest.approx(100.00315)
+    assert h.counts[0] == 2  # <= 0.0001 (bounds are inclusive)
+    assert h.counts[metrics.BUCKETS.index(0.005)] == 1
+    assert h.counts[-1] == 1  # +Inf
+
+
+def test_attention_series(mdir):
+    st = metrics.AFDStats()
+    st.start("attention", 0, lambda: {"ffn_rank_0": True})
+    try:
+        st.inc("steps", 3)
+        st.inc("layer_exchanges", 9)
+        st.inc("bytes_sent", 1000)
+        st.observe("step_transfer_seconds", 0.002)
+        st.observe("step_ffn_wait_seconds", 0.02)
+        st.inc("ffn_steps_served", 5)  # not an attention series: not exposed
+        st.write()
+        (snap,) = metrics.read_snapshots()
+        assert snap["pid"] == os.getpid() and snap["role"] == "attention"
+        got = exposition([snap])
+    finally:
+        st.close()
+    lv = 'afd_rank="0",role="attention"'
+    assert got[f"vllm:afd_steps_total{{{lv}}}"] == 3
+    assert got[f"vllm:afd_layer_exchanges_total{{{lv}}}"] == 9
+    assert got[f"vllm:afd_bytes_sent_total{{{lv}}}"] == 1000
+    assert got[f"vllm:afd_handshake_failures_total{{{lv}}}"] == 0
+    assert got[f"vllm:afd_step_ffn_wait_seconds_count{{{lv}}}"] == 1
+    assert got[f"vllm:afd_step_ffn_wait_seconds_sum{{{lv}}}"] == pytest.approx(0.02)
+    assert got['vllm:afd_step_ffn_wait_seconds_bucket{afd_rank="0",le="0.01",role="attention"}'] == 0
+    assert got['vllm:afd_step_ffn_wait_seconds_bucket{afd_rank="0",le="0.025",role="attention"}'] == 1
+    assert got['vllm:afd_step_ffn_wait_seconds_bucket{afd_rank="0",le="+Inf",role="attention"}'] == 1
+    assert got['vllm:afd_peer_up{afd_rank="0",peer="ffn_rank_0",role="attention"}'] == 1
+    assert not any("ffn_steps_served" in k for k in got)
+    assert not any("ffn_step_compute" in k for k in got)
+
+
+def test_ffn_series_per_layer(mdir):
+    st = metrics.AFDStats()
+    st.start("ffn", 1, lambda: {"attention_rank_2": True, "attention_rank_3": False})
+    try:
+        for layer, t in [(0, 0.001), (2, 0.003), (0, 0.002)]:
+            st.layer(layer, t)
+        st.inc("ffn_steps_served", 2)
+        st.inc("ffn_idle_seconds", 1.5)
+        st.observe("ffn_step_compute_seconds", 0.004)
+        st.observe("step_ffn_wait_seconds", 1.0)  # attention-only: not exposed
+        st.write()
+        got = exposition(metrics.read_snapshots())
+    finally:
+        st.close()
+    lv = 'afd_rank="1",role="ffn"'
+    assert got[f"vllm:afd_ffn_steps_served_total{{{lv}}}"] == 2
+    assert got[f"vllm:afd_ffn_idle_seconds_total{{{lv}}}"] == 1.5
+    assert got['vllm:afd_ffn_layer_calls_total{afd_rank="1",layer="0",role="ffn"}'] == 2
+    assert got['vllm:afd_ffn_layer_compute_seconds_total{afd_rank="1",layer="0",role="ffn"}'] == (
+        pytest.approx(0.003)
+    )
+    assert got['vllm:afd_ffn_layer_calls_total{afd_rank="1",layer="2",role="ffn"}'] == 1
+    assert got[f"vllm:afd_ffn_step_compute_seconds_count{{{lv}}}"] == 1
+    assert got['vllm:afd_peer_up{afd_rank="1",peer="attention_rank_3",role="ffn"}'] == 0
+    assert got['vllm:afd_peer_up{afd_rank="1",peer="attention_rank_2",role="ffn"}'] == 1
+    assert not any("step_ffn_wait" in k for k in got)
+    assert not any(k.startswith("vllm:afd_steps_total") for k in got)
+
+
+def test_writer_thread_refreshes_and_close_removes_the_file(mdir):
+    st = metrics.AFDStats()
+    st.start("attention", 0, dict)
+    path = mdir / f"attention-0-{os.getpid()}.json"
+    try:
+        assert json.loads(path.read_text())["counters"]["steps"] == 0
+        st.inc("steps")
+        deadline = time.monotonic() + 5
+        while json.loads(path.read_text())["counters"]["steps"] != 1:
+            assert time.monotonic() < deadline, "snapshot not refreshed"
+            time.sleep(0.05)
+    finally:
+        st.close()
+    assert not path.exists()
+
+
+def test_only_own_live_descendants_are_read(mdir):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+        dead_pid = int(dead.stdout)
+        for role, pid in [("attention", child.pid), ("ffn", dead_pid), ("ffn", 1)]:
+            snap = {"pid": pid, "role": role, "rank": 0, "time": time.time(),
+                    "counters": {"steps": 1}}
+            (mdir / f"{role}-0-{pid}.json").write_text(json.dumps(snap))
+        (mdir / "garbage.json").write_text("{not json")
+        assert metrics.is_descendant(child.pid, os.getpid())
+        assert not metrics.is_descendant(1, os.getpid())
+        got = metrics.read_snapshots()
+        assert [(s["role"], s["pid"]) for s in got] == [("attention", child.pid)]
+        # from another ancestor's point of view (pid 1 is everyone's ancestor)
+        assert {s["pid"] for s in metrics.read_snapshots(ancestor=1)} >= {child.pid, 1}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_newest_snapshot_per_role_and_rank(mdir):
+    for t, steps in [(100.0, 1), (200.0, 7)]:
+        snap = {"pid": os.getpid(), "role": "attention", "rank": 0, "time": t,
+                "counters": {"steps": steps}}
+        (mdir / f"attention-0-x{int(t)}.json").write_text(json.dumps(snap))
+    (snap,) = metrics.read_snapshots()
+    assert snap["counters"]["steps"] == 7
+
+
+def test_register_prometheus_only_for_afd_servers():
+    class Args:
+        afd_config = None
+        additional_config = None
+
+    reg = prometheus_client.CollectorRegistry()
+    metrics.register_prometheus(reg, Args())
+    assert not any(isinstance(c, metrics.AFDCollector) for c in reg._collector_to_names)
+    args = Args()
+    args.afd_config = {"role": "ffn", "host": "127.0.0.1", "port": 29600}
+    metrics.register_prometheus(reg, args)
+    assert any(isinstance(c, metrics.AFDCollector) for c in reg._collector_to_names)
