@@ -29,7 +29,7 @@ TREE_ARGS = $(if $(TREE),--tree $(TREE))
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply-patches export-patches check wheel wheel-cpu venv models bundle \
-        demo test test-unit test-cpu test-oracle test-gpu lint clean \
+        demo test test-unit test-cpu test-oracle test-target test-gpu lint clean \
         rebase rebase-continue rebase-abort rebase-report drift
 
 help: ## list the targets
@@ -78,6 +78,10 @@ test: models ## everything CI runs: lint, make check, unit and CPU tests
 
 test-oracle: models ## the CPU oracle alone (AFD == plain vLLM); per target: VLLM_VERSION=X
 	AFD_MODELS_DIR=$(CURDIR)/$(MODELS) $(VPY) -m pytest -q tests/cpu/test_afd_oracle.py $(PYTEST_ARGS)
+
+test-target: models ## per-target CPU runtime check: oracle, vllm serve pair, metrics and profiling
+	AFD_MODELS_DIR=$(CURDIR)/$(MODELS) $(VPY) -m pytest -q tests/cpu/test_afd_oracle.py \
+		tests/cpu/test_afd_serve.py tests/cpu/test_afd_observability.py $(PYTEST_ARGS)
 
 test-gpu: ## GPU tests (run on the GPU host): pytest -m gpu
 	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)

@@ -57,6 +57,9 @@ class FFNRoleScheduler:
     def get_kv_connector(self):
         return None
 
+    def get_kv_event_publisher_config(self):  # vLLM >= 0.32 ready response
+        return None
+
     def get_ec_connector(self):
         return None
 
@@ -144,4 +147,8 @@ def worker_profile_hook(worker, is_start: bool) -> bool:
 def reject_generation(vllm_config) -> None:
     """Frontend hook: refuse generation on an FFN server with a clear error."""
     if is_ffn_role(vllm_config):
-        raise ValueError(FFN_REFUSAL)
+        # A client error for every vLLM: 0.26.0 maps ValueError to HTTP 400, while
+        # 0.32.0 maps only VLLMClientError (its VLLMValidationError) to a 4xx.
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(FFN_REFUSAL)
