@@ -1,0 +1,241 @@
+"""Decode benchmark: plain vLLM vs AFD (1 attention + 1 FFN rank), measured in one run.
+
+    # CPU, tiny checkpoint, model routing and balanced routing:
+    .venv/bin/python benchmarks/decode.py --model build/models/qwen3_moe --routing both
+    # GPU host, real shapes with dummy weights (config dir of DeepSeek-V2-Lite):
+    python benchmarks/decode.py --model CONFIG_DIR --load-format dummy --device cuda \\
+        --dtype bfloat16 --batch 64 --input-len 256 --output-len 128 --connector gloo
+
+Per configuration (plain, then AFD; for each routing asked for) one engine generates
+``--batch`` requests of ``--input-len`` random prompt tokens twice: with 1 output token
+(prefill only) and with ``--output-len`` tokens (``ignore_eos``). The decode time per step
+(TPOT) is the difference divided by ``output-len - 1``; decode throughput is
+``batch / TPOT``. Engines run in child processes (one per role), so each figure starts from a
+fresh process; plain and AFD share the machine one after the other, never at once.
+
+``--routing balanced`` sets ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY=afd_balanced`` (expert
+load spread evenly; changes outputs, benchmarks only); ``model`` uses the checkpoint's
+router; ``both`` runs each. Prints a table and, with ``--json FILE``, writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_kwargs(a) -> dict:
+    kw = dict(
+        model=a.model,
+        dtype=a.dtype,
+        enforce_eager=not a.compile,
+        max_model_len=a.input_len + a.output_len + 8,
+        max_num_seqs=a.batch,
+        max_num_batched_tokens=max(a.batch * a.input_len, 512),
+        seed=0,
+        enable_prefix_caching=False,
+        load_format=a.load_format,
+    )
+    if a.gpu_memory_utilization:
+        kw["gpu_memory_utilization"] = a.gpu_memory_utilization
+    if a.afd:
+        kw["afd_config"] = json.loads(a.afd)
+    return kw
+
+
+# ------------------------------------------------------------------ child roles
+def run_generate(a) -> int:
+    import random
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**engine_kwargs(a))
+    vocab = llm.get_tokenizer().vocab_size
+    rng = random.Random(0)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab - 1)
+                                              for _ in range(a.input_len)])
+               for _ in range(a.batch)]
+
+    def timed(n: int) -> float:
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return dt
+
+    timed(2)  # warm-up
+    t_prefill = min(timed(1) for _ in range(a.repeats))
+    t_full = min(timed(a.output_len) for _ in range(a.repeats))
+    tpot = (t_full - t_prefill) / (a.output_len - 1)
+    Path(a.out).write_text(json.dumps({"prefill_s": t_prefill, "full_s": t_full,
+                                       "tpot_s": tpot}))
+    return 0
+
+
+def run_ffn(a) -> int:
+    import signal
+    import threading
+
+    from vllm import LLM
+    from vllm.afd import ffn_runner
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    llm = LLM(**engine_kwargs(a))  # noqa: F841 - keeps the engine alive
+    runner = ffn_runner.ACTIVE[-1]
+    print("AFD-FFN-READY", flush=True)
+    while not stop.wait(0.2):
+        if runner.error is not None:
+            print(f"FFN failed: {runner.error}", file=sys.stderr, flush=True)
+            os._exit(3)
+    runner.stop()
+    os._exit(0)
+
+
+# ------------------------------------------------------------------ driver
+def child(a, role: str, extra: list[str], env: dict, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--_role", role, *extra]
+    fh = open(log, "w")
+    return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def tail(path: Path, n: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+def measure(a, base_args: list[str], afd: bool, routing: str, work: Path) -> dict:
+    env = dict(os.environ)
+    if a.device == "cpu":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if routing == "balanced":
+        env[ROUTING_ENV] = "afd_balanced"
+    else:
+        env.pop(ROUTING_ENV, None)
+    tag = f"{'afd' if afd else 'plain'}_{routing}"
+    out = work / f"{tag}.json"
+    ffn = None
+    args = [*base_args, "--out", str(out)]
+    try:
+        if afd:
+            port = free_port()
+            cfg = {"connector": a.connector, "host": "127.0.0.1", "port": port,
+                   "timeout_s": 300}
+            ffn_env = dict(env)
+            if a.device == "cuda":
+                ffn_env["CUDA_VISIBLE_DEVICES"] = a.ffn_gpu
+                env["CUDA_VISIBLE_DEVICES"] = a.attention_gpu
+            ffn = child(a, "ffn", [*base_args, "--afd", json.dumps({"role": "ffn", **cfg})],
+                        ffn_env, work / f"{tag}_ffn.log")
+            args += ["--afd", json.dumps({"role": "attention", **cfg})]
+        elif a.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = a.attention_gpu
+        gen = child(a, "generate", args, env, work / f"{tag}.log")
+        try:
+            rc = gen.wait(a.timeout)
+        except subprocess.TimeoutExpired:
+            gen.kill()
+            raise SystemExit(f"{tag}: no result within {a.timeout} s\n"
+                             + tail(work / f"{tag}.log")) from None
+        if rc != 0:
+            extra = f"\n--- FFN ---\n{tail(work / f'{tag}_ffn.log')}" if afd else ""
+            raise SystemExit(f"{tag}: generation failed (rc={rc})\n"
+                             + tail(work / f"{tag}.log") + extra)
+        return json.loads(out.read_text())
+    finally:
+        if ffn is not None:
+            ffn.terminate()
+            try:
+                ffn.wait(30)
+            except subprocess.TimeoutExpired:
+                ffn.kill()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint or config directory")
+    p.add_argument("--load-format", default="auto", help="'dummy' for real shapes, no weights")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--connector", default="gloo")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2, help="best of N timings")
+    p.add_argument("--routing", choices=["model", "balanced", "both"], default="model")
+    p.add_argument("--modes", default="plain,afd", help="comma list of plain, afd")
+    p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--attention-gpu", default="0")
+    p.add_argument("--ffn-gpu", default="1", help="GPU of the FFN rank ('0' to share one)")
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--_role", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--afd", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.output_len < 2:
+        p.error("--output-len must be at least 2")
+    if a._role == "generate":
+        return run_generate(a)
+    if a._role == "ffn":
+        return run_ffn(a)
+
+    base = ["--model", a.model, "--load-format", a.load_format, "--dtype", a.dtype,
+            "--batch", str(a.batch), "--input-len", str(a.input_len),
+            "--output-len", str(a.output_len), "--repeats", str(a.repeats)]
+    if a.compile:
+        base.append("--compile")
+    if a.gpu_memory_utilization:
+        base += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    routings = ["model", "balanced"] if a.routing == "both" else [a.routing]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = set(modes) - {"plain", "afd"}
+    if bad:
+        p.error(f"unknown mode(s) {sorted(bad)}")
+    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"device {a.device}; model {a.model} ({a.load_format}, {a.dtype}); batch {a.batch}, "
+          f"input {a.input_len}, output {a.output_len}; connector {a.connector}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="afd-decode-") as tmp:
+        for routing in routings:
+            for mode in modes:
+                t0 = time.perf_counter()
+                r = measure(a, base, mode == "afd", routing, Path(tmp))
+                r.update(mode=mode, routing=routing, wall_s=time.perf_counter() - t0)
+                results.append(r)
+                print(f"  {mode:5s} routing={routing:8s} TPOT {r['tpot_s'] * 1e3:8.2f} ms  "
+                      f"decode {a.batch / r['tpot_s']:9.1f} tok/s  prefill {r['prefill_s']:.3f} s"
+                      f"  ({r['wall_s']:.0f} s)", flush=True)
+    print("\nrouting    plain TPOT   AFD TPOT   AFD/plain")
+    for routing in routings:
+        by = {r["mode"]: r for r in results if r["routing"] == routing}
+        if {"plain", "afd"} <= set(by):
+            pl, af = by["plain"]["tpot_s"], by["afd"]["tpot_s"]
+            print(f"{routing:9s} {pl * 1e3:8.2f} ms {af * 1e3:8.2f} ms   {af / pl:6.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
