@@ -574,3 +574,70 @@ def max_logprob_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> fl
                 d = max(0.0, y[k] - min_x)
             worst = max(worst, d)
     return worst
+
+
+# ---------------------------------------------------------------------------- checks
+def port_bindable(port: int, host: str = "127.0.0.1") -> bool:
+    """True when a new server could listen on ``host:port`` now. SO_REUSEADDR is set, as
+    uvicorn and the AFD FFN listener set it: closed connections in TIME_WAIT do not count,
+    a socket still bound or listening there does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen(1)
+        except OSError:
+            return False
+    return True
+
+
+def group_rss_kib(pgid: int) -> int:
+    """Sum of VmRSS (KiB) over the live processes of process group ``pgid`` (Linux)."""
+    total = 0
+    for pid in group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            continue  # exited meanwhile
+    return total
+
+
+def wait_for_exit(proc: subprocess.Popen, timeout: float) -> float | None:
+    """Seconds until ``proc`` exits (0 when it already has), or None after ``timeout``."""
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    return time.monotonic() - t0
+
+
+def wait_for_log(
+    log_path: str | os.PathLike,
+    text: str,
+    timeout: float,
+    proc: subprocess.Popen | None = None,
+    poll: float = 0.2,
+) -> float | None:
+    """Seconds until ``text`` appears in the log, or None after ``timeout`` or (when
+    ``proc`` is given) once ``proc`` has exited without writing it."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if text in Path(log_path).read_text(errors="replace"):
+                return time.monotonic() - t0
+        except OSError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            # one last look: the line may have been written just before the exit
+            with contextlib.suppress(OSError):
+                if text in Path(log_path).read_text(errors="replace"):
+                    return time.monotonic() - t0
+            return None
+        if time.monotonic() - t0 > timeout:
+            return None
+        time.sleep(poll)
