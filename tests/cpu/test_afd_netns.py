@@ -1,0 +1,308 @@
+"""AFD across two network namespaces joined by a veth pair (needs root and `ip netns`).
+
+The FFN rank runs in namespace B and binds its veth address 10.X.Y.2; the attention rank
+runs in namespace A (10.X.Y.1) and connects to it over the veth link, so the AFD traffic
+leaves the loopback device. Both are the offline harness (tests/cpu/afd_proc.py) run with
+`ip netns exec`.
+
+* the CPU oracle across the link: greedy tokens identical to plain vLLM, top-5 logprobs
+  within LOGPROB_TOL; the FFN is not reachable on 127.0.0.1 of its namespace (it binds
+  only the configured address);
+* a network cut (`ip -n B link set <veth> down`) during a long generation: the attention
+  rank ends non-zero within timeout_s + 5 s, naming its FFN peer; the FFN side ends too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import serve_util as su  # noqa: E402
+
+pytestmark = pytest.mark.cpu_e2e
+
+HERE = Path(__file__).resolve().parent
+AFD_PROC = HERE / "afd_proc.py"
+MODEL = "qwen3_moe"
+LOGPROB_TOL = 1e-4
+START_TIMEOUT_S = 420
+CUT_TIMEOUT_S = 5
+SPEC = {
+    "prompts": [
+        "Hello, my name is",
+        "The capital of France is",
+        "def add(a, b):",
+        "A long time ago in a galaxy far, far away, there was a small robot who",
+        "Q: What is two plus two?\nA:",
+        "In the beginning",
+    ],
+    "max_tokens": [24, 8, 30, 12, 20, 6],
+}
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check,
+                          timeout=30)  # fmt: skip
+
+
+@dataclass
+class NetNS:
+    a: str  # attention namespace
+    b: str  # FFN namespace
+    veth_a: str
+    veth_b: str
+    addr_a: str
+    addr_b: str
+
+
+@pytest.fixture(scope="module")
+def netns():
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (os.geteuid() != 0)")
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` tool (iproute2) is not installed")
+    rng = random.Random()
+    tag = f"{os.getpid() % 1000:03d}{rng.randrange(1000):03d}"
+    x, y = rng.randrange(100, 250), rng.randrange(1, 250)
+    ns = NetNS(a=f"afdA{tag}", b=f"afdB{tag}", veth_a=f"afva{tag}", veth_b=f"afvb{tag}",
+               addr_a=f"10.{x}.{y}.1", addr_b=f"10.{x}.{y}.2")  # fmt: skip
+    made: list[str] = []
+    try:
+        r = _ip("netns", "add", ns.a, check=False)
+        if r.returncode != 0:
+            pytest.skip(f"`ip netns add` failed: {r.stderr.strip()}")
+        made.append(ns.a)
+        _ip("netns", "add", ns.b)
+        made.append(ns.b)
+        _ip("link", "add", ns.veth_a, "type", "veth", "peer", "name", ns.veth_b)
+        _ip("link", "set", ns.veth_a, "netns", ns.a)
+        _ip("link", "set", ns.veth_b, "netns", ns.b)
+        for name, dev, addr in ((ns.a, ns.veth_a, ns.addr_a), (ns.b, ns.veth_b, ns.addr_b)):
+            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", name, "link", "set", "lo", "up")
+            _ip("-n", name, "link", "set", dev, "up")
+        print(f"namespaces {ns.a} ({ns.addr_a}) <-> {ns.b} ({ns.addr_b})")
+        yield ns
+    finally:
+        for name in made:
+            # processes still in the namespace (only ours can be there) end with it
+            pids = _ip("netns", "pids", name, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", name, check=False)
+        left = _ip("netns", "list", check=False).stdout
+        assert ns.a not in left and ns.b not in left, left
+        links = _ip("link", "show", check=False).stdout
+        assert ns.veth_a not in links and ns.veth_b not in links
+
+
+@pytest.fixture(scope="module")
+def model_dir(models_dir) -> Path:
+    path = models_dir / MODEL
+    assert (path / "model.safetensors").is_file(), f"{path}: run `make models`"
+    return path
+
+
+def proc_env() -> dict[str, str]:
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+
+
+class Proc:
+    """afd_proc.py in a namespace (``ns``) or in this one (None), in its own session."""
+
+    def __init__(self, ns: str | None, args: list[str], log: Path):
+        self.log = log
+        prefix = ["ip", "netns", "exec", ns] if ns else []
+        with open(log, "w") as fh:
+            # `ip netns exec` execs the command: the pid and session stay the harness's
+            self.p = subprocess.Popen([*prefix, sys.executable, str(AFD_PROC), *args],
+                                      stdout=fh, stderr=subprocess.STDOUT, env=proc_env(),
+                                      start_new_session=True)  # fmt: skip
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.text().splitlines()[-n:])
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 30.0) -> int | None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, sig)
+            except ProcessLookupError:
+                pass
+            if self.wait(grace) is None:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(30)
+        deadline = time.monotonic() + 20
+        while su.group_members(self.p.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.p.returncode
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.stop()
+    left = {p.log.name: su.group_members(p.p.pid) for p in started}
+    assert not any(left.values()), f"processes left: {left}"
+
+
+def afd(role: str, host: str, port: int, timeout_s: float) -> str:
+    return json.dumps(su.afd_config(role, port=port, host=host, timeout_s=timeout_s))
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir, tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("netns_plain")
+    (d / "prompts.json").write_text(json.dumps(SPEC))
+    p = Proc(
+        None,
+        [
+            "plain",
+            "--model",
+            str(model_dir),
+            "--prompts",
+            str(d / "prompts.json"),
+            "--out",
+            str(d / "plain.json"),
+            "--max-num-seqs",
+            "4",
+        ],
+        d / "plain.log",
+    )
+    rc = p.wait(START_TIMEOUT_S)
+    p.stop()
+    assert rc == 0, p.tail()
+    return json.loads((d / "plain.json").read_text())
+
+
+def assert_matches(plain: dict, got: dict) -> float:
+    assert len(plain["outputs"]) == len(got["outputs"]) == len(SPEC["prompts"])
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(plain["outputs"], got["outputs"])):
+        assert a["token_ids"] == b["token_ids"], f"prompt {i}: tokens differ"
+        assert len(a["token_ids"]) == SPEC["max_tokens"][i]
+        for pos, (la, lb) in enumerate(zip(a["logprobs"], b["logprobs"])):
+            for tok, lp in la.items():
+                assert tok in lb, f"prompt {i} pos {pos}: token {tok} not in the AFD top-k"
+                worst = max(worst, abs(lp - lb[tok]))
+    assert worst <= LOGPROB_TOL, f"max |logprob diff| {worst} > {LOGPROB_TOL}"
+    return worst
+
+
+def _connect_from(ns: str, host: str, port: int) -> str:
+    code = ("import socket, sys\n"
+            "try:\n"
+            f"    socket.create_connection(({host!r}, {port}), timeout=3).close(); print('open')\n"
+            "except OSError as e:\n"
+            "    print(type(e).__name__)\n")  # fmt: skip
+    r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    return r.stdout.strip() or r.stderr.strip()
+
+
+def test_oracle_across_namespaces(netns, model_dir, plain, tmp_path, procs):
+    port = su.free_port()
+    (tmp_path / "prompts.json").write_text(json.dumps(SPEC))
+    ffn = Proc(
+        netns.b,
+        ["ffn", "--model", str(model_dir), "--afd", afd("ffn", netns.addr_b, port, 120)],
+        tmp_path / "ffn.log",
+    )
+    procs.append(ffn)
+    attn = Proc(netns.a, ["attention", "--model", str(model_dir),
+                          "--afd", afd("attention", netns.addr_b, port, 120),
+                          "--prompts", str(tmp_path / "prompts.json"),
+                          "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
+                tmp_path / "attn.log")  # fmt: skip
+    procs.append(attn)
+    t0 = time.monotonic()
+    rc = attn.wait(START_TIMEOUT_S)
+    assert rc == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    worst = assert_matches(plain, json.loads((tmp_path / "afd.json").read_text()))
+    text = ffn.text()
+    assert f"listening on {netns.addr_b}:{port}" in text, ffn.tail()
+    assert f"accepted attention rank 0 from {netns.addr_a}:" in text, ffn.tail()
+    assert "said goodbye" in text, ffn.tail()
+    assert ffn.p.poll() is None, "the FFN must keep serving after the attention goodbye"
+    # it binds only the configured address: nothing listens on its namespace's loopback
+    assert _connect_from(netns.b, "127.0.0.1", port) == "ConnectionRefusedError"
+    assert _connect_from(netns.a, netns.addr_b, port) == "open"  # while on the veth it is
+    print(f"AFD across namespaces: tokens identical, max |logprob diff| {worst:.2e}, "
+          f"{time.monotonic() - t0:.0f} s")  # fmt: skip
+    assert ffn.stop() == 0, ffn.tail()
+    assert "AFD-FFN-STOPPED" in ffn.text()
+
+
+def test_network_cut_ends_both_sides(netns, model_dir, tmp_path, procs):
+    port = su.free_port()
+    # 64 requests of 480 tokens, 4 at a time: the generation cannot end before the cut
+    spec = {"prompts": ["Hello, my name is"] * 64, "max_tokens": [480] * 64}
+    (tmp_path / "prompts.json").write_text(json.dumps(spec))
+    ffn = Proc(netns.b, ["ffn", "--model", str(model_dir),
+                         "--afd", afd("ffn", netns.addr_b, port, CUT_TIMEOUT_S)],
+               tmp_path / "ffn.log")  # fmt: skip
+    procs.append(ffn)
+    attn = Proc(netns.a, ["attention", "--model", str(model_dir),
+                          "--afd", afd("attention", netns.addr_b, port, CUT_TIMEOUT_S),
+                          "--prompts", str(tmp_path / "prompts.json"),
+                          "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
+                tmp_path / "attn.log")  # fmt: skip
+    procs.append(attn)
+    assert su.wait_for_log(attn.log, "AFD-PROC-GENERATING", START_TIMEOUT_S, proc=attn.p), (
+        attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    )
+    time.sleep(1.0)  # generation under way (not a proof of anything)
+    assert attn.p.poll() is None and ffn.p.poll() is None, attn.tail() + ffn.tail()
+    _ip("-n", netns.b, "link", "set", netns.veth_b, "down")
+    t_cut = time.monotonic()
+    bound = CUT_TIMEOUT_S + 5
+    rc = attn.wait(bound + 30)
+    attn_s = time.monotonic() - t_cut
+    ffn_rc = ffn.wait(max(0.0, bound + 30 - attn_s))
+    ffn_s = time.monotonic() - t_cut
+    try:
+        attn_err = [ln for ln in attn.text().splitlines() if "AFD" in ln and "FFN rank 0" in ln]
+        ffn_err = [ln for ln in ffn.text().splitlines() if "AFD-FFN-FAILED" in ln]
+        print(
+            f"cut: attention ended after {attn_s:.1f} s rc={rc}: "
+            f"{attn_err[-1][-200:] if attn_err else attn.tail(5)}"
+        )
+        print(
+            f"cut: FFN ended after {ffn_s:.1f} s rc={ffn_rc}: "
+            f"{ffn_err[-1][-200:] if ffn_err else ffn.tail(5)}"
+        )
+        assert rc is not None and rc != 0, attn.tail()
+        assert attn_s <= bound, f"attention took {attn_s:.1f} s to fail after the cut"
+        assert not (tmp_path / "afd.json").exists()
+        peer = f"FFN rank 0 at {netns.addr_b}:{port}"
+        assert any(peer in ln for ln in attn_err), attn.tail()
+        assert ffn_rc == 3 and ffn_s <= bound, (ffn_rc, ffn_s, ffn.tail())
+        assert ffn_err and f"attention rank 0 at {netns.addr_a}:" in ffn_err[-1], ffn.tail()
+    finally:
+        _ip("-n", netns.b, "link", "set", netns.veth_b, "up", check=False)
