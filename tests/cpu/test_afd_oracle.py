@@ -240,22 +240,25 @@ def test_oracle_2a1f(models_dir, tmp_path, procs):
 
 
 def test_mismatched_layer_count_ends_both(models_dir, tmp_path, procs):
+    """The attention rank ends at the handshake; the FFN rank refuses it and ends at its
+    start-up timeout, naming the refused hello."""
     ffn, [(attn, _)] = run_afd(procs, tmp_path, models_dir / "qwen3_moe",
                                attn_model=models_dir / "qwen3_moe_2l",
-                               extra={"timeout_s": 60})
+                               extra={"timeout_s": 40})
     assert attn.wait(START_TIMEOUT) != 0
     assert ffn.wait(START_TIMEOUT) != 0
     for p in (attn, ffn):
         assert "mismatch on 'num_hidden_layers'" in p.text(), p.tail()
+    assert "did not connect within timeout_s=40. Last refused hello" in ffn.text(), ffn.tail()
 
 
 def test_wrong_topology_ends_both(models_dir, tmp_path, procs):
     model = models_dir / "qwen3_moe"
     port = free_port(2)
-    ffn = Proc(["ffn", "--afd", afd_json("ffn", port, num_attention_ranks=2, timeout_s=60)],
+    ffn = Proc(["ffn", "--afd", afd_json("ffn", port, num_attention_ranks=2, timeout_s=40)],
                model, tmp_path / "ffn.log")
     procs.append(ffn)
-    attn = Proc(["attention", "--afd", afd_json("attention", port, timeout_s=60),
+    attn = Proc(["attention", "--afd", afd_json("attention", port, timeout_s=40),
                  "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "o.json")],
                 model, tmp_path / "attn.log")
     procs.append(attn)

@@ -358,24 +358,43 @@ def test_2a1f_missing_rank_times_out(net):
 
 
 # ------------------------------------------------------- (c) fingerprint mismatch
-def test_fingerprint_mismatch_fails_both_sides(net):
+def test_fingerprint_mismatch_fails_attention_and_ffn_at_its_timeout(net):
+    """The attention rank fails at once; the FFN rank refuses the hello but does not end
+    on it (a hello proves nothing): it ends at its start-up timeout, naming the refusal."""
     port = free_port()
-    ffn = net.ffn(port, num_hidden_layers=2)
+    ffn = net.ffn(port, num_hidden_layers=2, timeout=1.5)
     ffn.start()
-    att = net.attention(port, num_hidden_layers=3)
+    att = net.attention(port, num_hidden_layers=3, timeout=1.5)
     with pytest.raises(P.AFDHandshakeError, match=r"'num_hidden_layers'") as ei:
         Bg(att.connect).get()
     msg = str(ei.value)
     assert "refused this attention rank" in msg
     assert f"{HOST}:{port}" in msg
     assert att.sock is None
-    with pytest.raises(P.AFDPeerError, match=r"fingerprint mismatch on 'num_hidden_layers'"):
-        deadline = time.monotonic() + 3
+    assert ffn.wait_step(0.1) == []  # still waiting for the right peer
+    with pytest.raises(P.AFDPeerError, match=r"did not connect within timeout_s=1\.5\. Last "
+                       r"refused hello: AFD fingerprint mismatch on 'num_hidden_layers'"):
+        deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             ffn.wait_step(0.1)
-    # fatal stays fatal
-    with pytest.raises(P.AFDPeerError, match="num_hidden_layers"):
-        ffn.wait_step(0.1)
+
+
+def test_mismatched_hello_does_not_end_a_running_ffn(net):
+    """A well-formed attention hello of another deployment, sent to a running FFN rank, is
+    refused; the connected peer keeps being served."""
+    ffn, att = connected_pair(net)
+    bad = net.attention(ffn.addr[1], num_hidden_layers=3)
+    with pytest.raises(P.AFDHandshakeError, match=r"'num_hidden_layers'"):
+        Bg(bad.connect).get()
+    att.begin_step(1, 2)
+    (peer,) = wait_peers(ffn, [0]).values()
+    x = torch.randn(2, HIDDEN)
+    att.send(x)
+    buf = torch.empty(2, HIDDEN)
+    ffn.recv(peer, buf)
+    ffn.send(peer, buf + 1)
+    assert torch.equal(att.recv(torch.empty(2, HIDDEN)), x + 1)
+    att.end_step()
 
 
 def test_fingerprint_mismatch_role_topology(net):

@@ -284,7 +284,7 @@ class TCPFFNConnector(FFNConnector):
         self._stop = threading.Event()
         self._started_at = 0.0
         self._ever_complete = False
-        self._fatal: str | None = None
+        self._last_refusal: str | None = None  # named in the start-up timeout error
         self._accept_thread: threading.Thread | None = None
         self._profile_requests: list[bool] = []
 
@@ -402,9 +402,12 @@ class TCPFFNConnector(FFNConnector):
             metrics.STATS.inc("handshake_failures")
             self._reply(sock, mismatch)
             sock.close()
-            if remote.get("role") == "attention":
-                # A real attention rank of another deployment: both sides end.
-                self._set_fatal(f"{mismatch} (peer {addr})")
+            # The attention rank ends on this reply. This rank does not: a hello
+            # is not proof of anything (without a shared secret anyone can send
+            # one), so it keeps serving its peers or waiting for the right ones;
+            # if those never come, the start-up timeout error names this refusal.
+            self._last_refusal = f"{mismatch} (peer {addr})"
+            logger.error("AFD: refused attention hello: %s", self._last_refusal)
             return
         with self._lock:
             if rank in self.peers:
@@ -419,24 +422,22 @@ class TCPFFNConnector(FFNConnector):
         logger.info("AFD: FFN rank %d accepted attention rank %d from %s",
                     self.ctx.rank, rank, addr)
 
-    def _set_fatal(self, msg: str) -> None:
-        logger.error("AFD: %s", msg)
-        self._fatal = self._fatal or msg
-
     # -- serving -------------------------------------------------------------
     def wait_step(self, timeout: float) -> list[StepPeer]:
-        if self._fatal:
-            raise AFDPeerError(self._fatal)
         with self._lock:
             peers = list(self.peers.values())
             complete = self._ever_complete
         now = time.monotonic()
         if not complete and now - self._started_at > self.timeout:
             missing = sorted(self.expected - {p.rank for p in peers})
+            refused = (
+                f" Last refused hello: {self._last_refusal}." if self._last_refusal else ""
+            )
             raise AFDPeerError(
                 f"AFD FFN rank {self.ctx.rank} on {self.addr[0]}:{self.addr[1]}: attention "
-                f"rank(s) {missing} did not connect within timeout_s={self.timeout:g}. "
-                "Start the attention server(s) with the same --afd-config."
+                f"rank(s) {missing} did not connect within timeout_s={self.timeout:g}."
+                f"{refused} Start the attention server(s) with the same --afd-config and "
+                "the same model."
             )
         if not peers:
             time.sleep(min(timeout, 0.05))
