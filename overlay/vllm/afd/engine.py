@@ -144,6 +144,26 @@ def worker_profile_hook(worker, is_start: bool) -> bool:
     return False
 
 
+_ENGINE_DIED = False
+
+
+def note_engine_death() -> None:
+    """Hook where the API server shuts down because its engine died."""
+    global _ENGINE_DIED
+    _ENGINE_DIED = True
+
+
+def exit_if_engine_died() -> None:
+    """Hook after ``vllm serve``'s server loop: a server that stopped because its
+    engine died (e.g. an AFD peer was lost) exits with status 1, not 0, so that a
+    supervisor (systemd ``Restart=on-failure``, Kubernetes) restarts it."""
+    if _ENGINE_DIED:
+        import sys
+
+        logger.error("vLLM API server stopped because its engine died; exiting with status 1")
+        sys.exit(1)
+
+
 def reject_generation(vllm_config) -> None:
     """Frontend hook: refuse generation on an FFN server with a clear error."""
     if is_ffn_role(vllm_config):
