@@ -32,3 +32,11 @@ def models_dir() -> Path:
 def vllm_cpu_env() -> dict[str, str]:
     """os.environ plus the settings for a small in-process vLLM engine on the CPU."""
     return {**os.environ, **VLLM_CPU_ENV}
+
+
+@pytest.fixture(scope="module")
+def model_dir(request, models_dir) -> Path:
+    """The checkpoint named by the test module's ``MODEL`` under ``models_dir``."""
+    path = models_dir / request.module.MODEL
+    assert (path / "model.safetensors").is_file(), f"{path}: run `make models`"
+    return path

@@ -180,13 +180,6 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def model_dir(models_dir) -> Path:
-    path = models_dir / MODEL
-    assert (path / "model.safetensors").is_file(), f"{path}: run `make models`"
-    return path
-
-
-@pytest.fixture(scope="module")
 def log_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("afd_faults_logs")
     print(f"server logs: {path}")

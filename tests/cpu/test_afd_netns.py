@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from oracle_lib import assert_outputs_match
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -109,13 +110,6 @@ def netns():
         assert ns.a not in left and ns.b not in left, left
         links = _ip("link", "show", check=False).stdout
         assert ns.veth_a not in links and ns.veth_b not in links
-
-
-@pytest.fixture(scope="module")
-def model_dir(models_dir) -> Path:
-    path = models_dir / MODEL
-    assert (path / "model.safetensors").is_file(), f"{path}: run `make models`"
-    return path
 
 
 def proc_env() -> dict[str, str]:
@@ -202,17 +196,7 @@ def plain(model_dir, tmp_path_factory) -> dict:
 
 
 def assert_matches(plain: dict, got: dict) -> float:
-    assert len(plain["outputs"]) == len(got["outputs"]) == len(SPEC["prompts"])
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(plain["outputs"], got["outputs"])):
-        assert a["token_ids"] == b["token_ids"], f"prompt {i}: tokens differ"
-        assert len(a["token_ids"]) == SPEC["max_tokens"][i]
-        for pos, (la, lb) in enumerate(zip(a["logprobs"], b["logprobs"])):
-            for tok, lp in la.items():
-                assert tok in lb, f"prompt {i} pos {pos}: token {tok} not in the AFD top-k"
-                worst = max(worst, abs(lp - lb[tok]))
-    assert worst <= LOGPROB_TOL, f"max |logprob diff| {worst} > {LOGPROB_TOL}"
-    return worst
+    return assert_outputs_match(plain, got, SPEC["max_tokens"], LOGPROB_TOL)
 
 
 def _connect_from(ns: str, host: str, port: int) -> str:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from oracle_lib import assert_outputs_match
 
 pytestmark = pytest.mark.cpu_e2e
 
@@ -153,17 +154,7 @@ def plain_reference(model: Path, tmp_path: Path) -> dict:
 
 
 def assert_matches(plain: dict, afd: dict) -> float:
-    assert len(plain["outputs"]) == len(afd["outputs"]) == len(PROMPTS["prompts"])
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(plain["outputs"], afd["outputs"])):
-        assert a["token_ids"] == b["token_ids"], f"prompt {i}: tokens differ"
-        assert len(a["token_ids"]) == PROMPTS["max_tokens"][i]
-        for pos, (la, lb) in enumerate(zip(a["logprobs"], b["logprobs"])):
-            for tok, lp in la.items():
-                assert tok in lb, f"prompt {i} pos {pos}: token {tok} not in AFD top-k"
-                worst = max(worst, abs(lp - lb[tok]))
-    assert worst <= LOGPROB_TOL, f"max |logprob diff| {worst} > {LOGPROB_TOL}"
-    return worst
+    return assert_outputs_match(plain, afd, PROMPTS["max_tokens"], LOGPROB_TOL)
 
 
 def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,

@@ -47,13 +47,6 @@ AFD_PROC = Path(__file__).resolve().parent / "afd_proc.py"
 
 
 @pytest.fixture(scope="module")
-def model_dir(models_dir) -> Path:
-    path = models_dir / MODEL
-    assert (path / "model.safetensors").is_file(), f"{path}: run `make models`"
-    return path
-
-
-@pytest.fixture(scope="module")
 def log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("afd_serve_logs")
 

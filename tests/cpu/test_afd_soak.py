@@ -56,13 +56,6 @@ def soak_prompts() -> list[str]:
     return prompts
 
 
-@pytest.fixture(scope="module")
-def model_dir(models_dir) -> Path:
-    path = models_dir / MODEL
-    assert (path / "model.safetensors").is_file(), f"{path}: run `make models`"
-    return path
-
-
 def test_soak_mixed_requests(model_dir, tmp_path, vllm_cpu_env):
     prompts = soak_prompts()
     rng = random.Random(SEED)

@@ -166,6 +166,18 @@ def wait_peers(ffn, ranks, timeout=5.0):
     return seen
 
 
+def step_to_ffn(ffn, att, step_id: int, n: int):
+    """Attention begins a step and sends one layer of n random rows; the FFN receives it.
+    Returns (step peer, the rows sent, the rows received)."""
+    att.begin_step(step_id, n)
+    (peer,) = wait_peers(ffn, [0]).values()
+    x = torch.randn(n, HIDDEN)
+    att.send(x)
+    buf = torch.empty(n, HIDDEN)
+    ffn.recv(peer, buf)
+    return peer, x, buf
+
+
 def assert_dropped(sock: socket.socket, timeout: float = 5.0) -> None:
     """The FFN closed this stranger's connection without answering (EOF or reset)."""
     sock.settimeout(timeout)
@@ -386,12 +398,7 @@ def test_mismatched_hello_does_not_end_a_running_ffn(net):
     bad = net.attention(ffn.addr[1], num_hidden_layers=3)
     with pytest.raises(P.AFDHandshakeError, match=r"'num_hidden_layers'"):
         Bg(bad.connect).get()
-    att.begin_step(1, 2)
-    (peer,) = wait_peers(ffn, [0]).values()
-    x = torch.randn(2, HIDDEN)
-    att.send(x)
-    buf = torch.empty(2, HIDDEN)
-    ffn.recv(peer, buf)
+    peer, x, buf = step_to_ffn(ffn, att, 1, 2)
     ffn.send(peer, buf + 1)
     assert torch.equal(att.recv(torch.empty(2, HIDDEN)), x + 1)
     att.end_step()
@@ -769,15 +776,10 @@ def test_profile_requests_reach_the_ffn_between_steps(net):
     ffn, att = connected_pair(net)
     assert ffn.take_profile_requests() == []
     att.profile(True)
-    att.begin_step(1, 2)
-    (peer,) = wait_peers(ffn, [0]).values()  # the step still arrives after the request
+    peer, x, buf = step_to_ffn(ffn, att, 1, 2)  # the step still arrives after the request
     assert peer.control.num_tokens == 2
     assert ffn.take_profile_requests() == [True]
     assert ffn.take_profile_requests() == []  # taken once
-    x = torch.randn(2, HIDDEN)
-    att.send(x)
-    buf = torch.empty(2, HIDDEN)
-    ffn.recv(peer, buf)
     ffn.send(peer, buf * 2)
     assert torch.equal(att.recv(torch.empty(2, HIDDEN)), x * 2)
     att.end_step()
