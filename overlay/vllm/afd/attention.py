@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from vllm.afd import metrics
+from vllm.afd import failure, metrics
+from vllm.afd.protocol import AFDPeerError
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -37,6 +38,7 @@ class AttentionClient:
         self.last = -1
         self.connector = None
         self.step_id = 0
+        self.rank = 0
         self._transfer = self._wait = 0.0
         self._bytes_out = self._bytes_in = 0
 
@@ -54,6 +56,7 @@ class AttentionClient:
         if self.connector is not None:
             return
         rank = cfg.resolved_rank(vllm_config.parallel_config.data_parallel_rank)
+        self.rank = rank
         ctx = ConnectorContext(
             config=cfg,
             rank=rank,
@@ -74,6 +77,16 @@ class AttentionClient:
 
     def exchange(
         self, x: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        try:
+            return self._exchange(x, layer_idx, router_logits)
+        except AFDPeerError as e:
+            # For the error the clients of this server get (see vllm.afd.failure).
+            failure.record("attention", self.rank, str(e))
+            raise
+
+    def _exchange(
+        self, x: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None
     ) -> torch.Tensor:
         conn = self.connector
         if conn is None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function
 
-from vllm.afd import metrics
+from vllm.afd import failure, metrics
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -204,6 +204,7 @@ class FFNModelRunner:
                 return
             self.error = f"{type(e).__name__}: {e}"
             logger.error("AFD FFN serve loop stopped: %s", self.error)
+            failure.record("ffn", self.rank, str(e))
             for cb in self.on_fatal:
                 cb(self.error)
 

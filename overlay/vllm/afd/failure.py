@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Why an AFD engine died, for the error that its clients get.
+
+A lost AFD peer fails the worker process; vLLM then ends the engine core and
+the API server answers every request with ``EngineDeadError``, whose text
+says only "EngineCore encountered an issue". The AFD runtime therefore
+records its failure in a small file (``<role>-<rank>-<pid>.error`` next to
+the metrics snapshots, see :func:`vllm.afd.metrics.metrics_dir`) before the
+exception travels up, and ``EngineDeadError`` (patch 0011) appends the
+failure of its own server's processes: the client reads e.g. "... AFD: lost
+AFD peer FFN rank 0 at 10.0.0.2:29600: connection closed".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from vllm.afd.metrics import _parent, metrics_dir
+
+MAX_AGE_S = 3600.0
+
+
+def _ancestry(pid: int) -> list[int]:
+    chain = []
+    while pid and pid > 1 and len(chain) < 64:
+        chain.append(pid)
+        pid = _parent(pid)
+    return chain
+
+
+def record(role: str, rank: int, message: str) -> None:
+    """Best effort: note this process's AFD failure (called before it raises on)."""
+    try:
+        directory = metrics_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{role}-{rank}-{os.getpid()}.error"
+        tmp = path.with_suffix(".error-tmp")
+        tmp.write_text(json.dumps({"role": role, "rank": rank, "message": message,
+                                   "time": time.time(),
+                                   "ancestry": _ancestry(os.getpid())}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def failure_of_this_server(pid: int | None = None) -> str | None:
+    """The newest recorded AFD failure of ``pid`` (default: this process) or of
+    a process it started, within the last hour; None when there is none."""
+    pid = os.getpid() if pid is None else pid
+    newest: tuple[float, str] | None = None
+    try:
+        paths = list(metrics_dir().glob("*.error"))
+    except OSError:
+        return None
+    now = time.time()
+    for path in paths:
+        try:
+            rec = json.loads(path.read_text())
+            t, msg, chain = float(rec["time"]), str(rec["message"]), rec["ancestry"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if pid in chain and now - t <= MAX_AGE_S and (newest is None or t > newest[0]):
+            newest = (t, msg)
+    return newest[1] if newest else None
+
+
+def engine_dead_detail() -> str:
+    """Suffix for vLLM's EngineDeadError message: the AFD reason, if any."""
+    try:
+        msg = failure_of_this_server()
+    except Exception:  # noqa: BLE001 - never break the error path itself
+        return ""
+    return f" AFD: {msg}" if msg else ""
