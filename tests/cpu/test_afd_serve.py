@@ -8,8 +8,9 @@ way round), with ``timeout_s`` 5 so that the failure test below is quick. Checke
   (``afd_proc.py plain``);
 * the FFN server answers /health and refuses generation with a 4xx that mentions AFD;
 * SIGKILL of the FFN server while a long completion streams: that request ends with an
-  error within timeout_s + 10 s, later requests fail fast, and after the stop no process of
-  either server is left.
+  error naming the lost AFD peer within timeout_s + 10 s, later requests fail fast (with the
+  same message while the server still answers), and after the stop no process of either
+  server is left.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def test_killed_ffn_fails_requests_fast(pair):
     assert ended <= AFD_TIMEOUT_S + 10, ended
     completed = result.get("finish_reason") == "length" and result.get("error") is None
     assert not completed, f"request finished normally despite the dead FFN: {result}"
+    # the client's error names the lost peer (patch 0011), not just "EngineCore ..."
+    assert "AFD: lost AFD peer FFN rank 0 at 127.0.0.1:" in str(result.get("error")), result
 
     # later requests fail fast: an HTTP error or a refused connection, not a hang
     for _ in range(2):
@@ -176,6 +179,7 @@ def test_killed_ffn_fails_requests_fast(pair):
             status, body = attn.completion("Hello", max_tokens=4, timeout=AFD_TIMEOUT_S + 10)
             outcome = f"HTTP {status}: {su.error_message(body)[:200]}"
             assert status >= 400, f"request succeeded with a dead FFN: {body}"
+            assert "AFD: lost AFD peer FFN rank 0" in su.error_message(body), body
         except OSError as e:
             outcome = f"{type(e).__name__}: {e}"
         elapsed = time.monotonic() - t0

@@ -167,3 +167,38 @@ def test_register_prometheus_only_for_afd_servers():
     args.afd_config = {"role": "ffn", "host": "127.0.0.1", "port": 29600}
     metrics.register_prometheus(reg, args)
     assert any(isinstance(c, metrics.AFDCollector) for c in reg._collector_to_names)
+
+
+# ------------------------------------------------------------- failure records
+def test_failure_record_reaches_this_servers_engine_dead_error(mdir):
+    failure = pytest.importorskip("vllm.afd.failure")
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    assert failure.engine_dead_detail() == ""
+    assert str(EngineDeadError()).endswith("for the root cause.")
+    # a child process of this one (like a worker) records its failure, then exits
+    code = ("from vllm.afd import failure; "
+            "failure.record('attention', 0, 'lost AFD peer FFN rank 0 at 10.0.0.2:29600')")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+    assert failure.failure_of_this_server() == "lost AFD peer FFN rank 0 at 10.0.0.2:29600"
+    msg = str(EngineDeadError())
+    assert msg.startswith("EngineCore encountered an issue.")
+    assert msg.endswith(" AFD: lost AFD peer FFN rank 0 at 10.0.0.2:29600")
+
+
+def test_failure_records_of_other_servers_and_old_ones_are_ignored(mdir):
+    failure = pytest.importorskip("vllm.afd.failure")
+    now = time.time()
+    records = {
+        "other": {"time": now, "message": "not ours", "ancestry": [999999, 999998]},
+        "old": {"time": now - 2 * failure.MAX_AGE_S, "message": "too old",
+                "ancestry": [os.getpid()]},
+        "older_ours": {"time": now - 10, "message": "first", "ancestry": [os.getpid()]},
+        "newest_ours": {"time": now - 1, "message": "second", "ancestry": [12345, os.getpid()]},
+    }
+    for name, rec in records.items():
+        (mdir / f"{name}.error").write_text(json.dumps({"role": "ffn", "rank": 0, **rec}))
+    (mdir / "broken.error").write_text("{")
+    assert failure.failure_of_this_server() == "second"
+    assert failure.failure_of_this_server(pid=999998) == "not ours"
+    assert failure.failure_of_this_server(pid=424242) is None
