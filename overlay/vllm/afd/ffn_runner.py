@@ -189,16 +189,20 @@ class FFNModelRunner:
                     with self._profile_lock:
                         local, self._profile_local = self._profile_local, []
                     for start in [*local, *self.connector.take_profile_requests()]:
-                        self._profile(start)
+                        try:
+                            self._profile(start)
+                        except Exception as e:  # noqa: BLE001 - never end serving for it
+                            self.profiler = None
+                            logger.warning("AFD FFN role: profiler request failed: %s", e)
                     t0 = time.perf_counter()
                     with record_function("afd.wait_step"):
                         ready = self.connector.wait_step(timeout=0.2)
                     if ready:
                         self._run_step(ready)
+                        if self.profiler is not None:
+                            self.profiler.step()  # counts steps for delay/max iterations
                     else:
                         metrics.STATS.inc("ffn_idle_seconds", time.perf_counter() - t0)
-                    if self.profiler is not None:
-                        self.profiler.step()
         except Exception as e:  # noqa: BLE001 - reported to the engine
             if self._stop.is_set():
                 return
@@ -276,7 +280,7 @@ class FFNModelRunner:
         pcfg = getattr(self.vllm_config, "profiler_config", None)
         if pcfg is None or getattr(pcfg, "profiler", None) != "torch":
             logger.warning(
-                "AFD FFN role: an attention rank asked to %s profiling, but this FFN "
+                "AFD FFN role: asked to %s profiling, but this FFN "
                 "server has no torch profiler configured; start it with "
                 "--profiler-config '{\"profiler\": \"torch\", \"torch_profiler_dir\": DIR}' "
                 "to get FFN traces",
