@@ -152,6 +152,25 @@ def serve_command(model: str | os.PathLike, port: int, *, python: str | None = N
     return cmd
 
 
+_PORT_BASES: set[int] = set()
+
+
+def internal_port_base() -> int:
+    """A ``VLLM_PORT`` for one server: where vLLM scans upward for its internal ports
+    (torch.distributed, ZMQ). Without it vLLM takes ephemeral ports it checked a moment
+    earlier, and a concurrent client connection can take the same port in between
+    (EADDRINUSE at ``init_process_group``). Bases lie below the ephemeral range, 100
+    apart, a different one for every server of this process."""
+    import random
+
+    rng = random.SystemRandom()
+    while True:
+        base = rng.randrange(20000, 30000, 100)
+        if base not in _PORT_BASES:
+            _PORT_BASES.add(base)
+            return base
+
+
 # ---------------------------------------------------------------------------- processes
 _LIVE: set[subprocess.Popen] = set()
 _LIVE_LOCK = threading.Lock()
@@ -443,6 +462,7 @@ class Server:
         cmd = serve_command(model, port, python=python, afd=afd_config, host=host,
                             extra_args=extra_args)
         full_env = {**os.environ, **CPU_SERVE_ENV, **(env or {})}
+        full_env.setdefault("VLLM_PORT", str(internal_port_base()))
         t0 = time.monotonic()
         proc = start_process(cmd, log_path, full_env)
         return cls(name=name, port=port, log_path=Path(log_path), proc=proc, host=host,
