@@ -350,13 +350,16 @@ class TCPFFNConnector(FFNConnector):
 
     def _handshake(self, sock: socket.socket, addr: str) -> None:
         try:
-            self._handshake_or_drop(sock, addr)
+            accepted = self._handshake_or_drop(sock, addr)
         except Exception as e:  # noqa: BLE001 - a stranger must never kill this thread
             logger.warning("AFD: dropped connection from %s: %s", addr, e)
-            metrics.STATS.inc("handshake_failures")
             sock.close()
+            accepted = False
+        if not accepted:
+            metrics.STATS.inc("handshake_failures")
 
-    def _handshake_or_drop(self, sock: socket.socket, addr: str) -> None:
+    def _handshake_or_drop(self, sock: socket.socket, addr: str) -> bool:
+        """True when the peer was accepted; otherwise the connection is closed."""
         deadline = time.monotonic() + min(10.0, self.timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -364,9 +367,8 @@ class TCPFFNConnector(FFNConnector):
             remote = parse_hello(_recv_bytes(sock, n, deadline, addr))
         except (AFDPeerError, AFDProtocolError) as e:
             logger.warning("AFD: dropped connection from %s: %s", addr, e)
-            metrics.STATS.inc("handshake_failures")
             sock.close()  # not this protocol: no answer
-            return
+            return False
         role, rank = remote.get("role"), remote.get("rank")
         if (
             not isinstance(role, str)
@@ -375,20 +377,18 @@ class TCPFFNConnector(FFNConnector):
             or not isinstance(remote.get("afd_revision"), str)
         ):
             logger.warning("AFD: refused %s: hello lacks role/rank/afd_revision", addr)
-            metrics.STATS.inc("handshake_failures")
             self._reply(sock, "refused: hello lacks a string role, an integer rank "
                         "and afd_revision")
             sock.close()
-            return
+            return False
         secret = _secret(self.ctx)
         if secret and not hmac.compare_digest(
             str(remote.get("auth", "")), _auth_token(secret, remote)
         ):
             logger.warning("AFD: dropped connection from %s: bad shared secret", addr)
-            metrics.STATS.inc("handshake_failures")
             self._reply(sock, "authentication failed (shared secret differs)")
             sock.close()
-            return
+            return False
         local = _hello_payload(self.ctx, "ffn")
         mismatch = fingerprint_mismatch(local, remote)
         if mismatch is None and remote.get("role") != "attention":
@@ -399,7 +399,6 @@ class TCPFFNConnector(FFNConnector):
                 f"(it serves {sorted(self.expected)})"
             )
         if mismatch:
-            metrics.STATS.inc("handshake_failures")
             self._reply(sock, mismatch)
             sock.close()
             # The attention rank ends on this reply. This rank does not: a hello
@@ -408,19 +407,19 @@ class TCPFFNConnector(FFNConnector):
             # if those never come, the start-up timeout error names this refusal.
             self._last_refusal = f"{mismatch} (peer {addr})"
             logger.error("AFD: refused attention hello: %s", self._last_refusal)
-            return
+            return False
         with self._lock:
             if rank in self.peers:
-                metrics.STATS.inc("handshake_failures")
                 self._reply(sock, f"attention rank {rank} is already connected")
                 sock.close()
-                return
+                return False
             self._reply(sock, "ok")
             self.peers[rank] = _Peer(rank, sock, addr)
             if set(self.peers) == self.expected:
                 self._ever_complete = True
         logger.info("AFD: FFN rank %d accepted attention rank %d from %s",
                     self.ctx.rank, rank, addr)
+        return True
 
     # -- serving -------------------------------------------------------------
     def wait_step(self, timeout: float) -> list[StepPeer]:
