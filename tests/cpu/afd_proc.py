@@ -24,7 +24,7 @@ def engine_kwargs(args) -> dict:
     kw = dict(
         model=args.model,
         dtype=args.dtype,
-        enforce_eager=not args.compile,
+        enforce_eager=not (args.compile or args.compilation_config),
         max_model_len=512,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=512,
@@ -35,6 +35,8 @@ def engine_kwargs(args) -> dict:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.afd:
         kw["afd_config"] = json.loads(args.afd)
+    if args.compilation_config:
+        kw["compilation_config"] = json.loads(args.compilation_config)
     return kw
 
 
@@ -96,6 +98,7 @@ def main() -> int:
     p.add_argument("--logprobs", type=int, default=5)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
+    p.add_argument("--compilation-config", help="JSON for LLM(compilation_config=...); not eager")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = p.parse_args()

@@ -3,11 +3,13 @@
 Run on the GPU host after installing the offline bundle (scripts/gpu/run_gpu.sh):
     python3 -m pytest -m gpu tests/gpu
 
-With one GPU both roles share it and use the `gloo` (TCP) connector, which
-stages activations through host memory; with two GPUs a second case puts the
-FFN rank on GPU 1 with the `nccl` connector. The attention role runs eager
-(CUDA graphs with AFD are not supported yet). Greedy tokens must be identical
-and top-5 logprobs within BF16_TOL.
+Connectors: `gloo` (TCP, stages activations through host memory, attention
+forced eager), `cuda_ipc` (device-only exchange: eager and CUDA graphs on
+the attention role, FFN-side graphs), and with two GPUs `nccl` (FFN on GPU 1).
+Execution modes, each compared with plain vLLM run with the same flags:
+eager; FULL_DECODE_ONLY CUDA graphs without torch.compile; the same with
+torch.compile; model runner V1 and V2 (VLLM_USE_V2_MODEL_RUNNER). Greedy
+tokens must be identical and top-5 logprobs within BF16_TOL.
 """
 
 from __future__ import annotations
@@ -45,14 +47,16 @@ def procs():
         p.stop()
 
 
-def _env(model: Path, gpu: int) -> dict:
+def _env(model: Path, gpu: int, runner: str | None = None) -> dict:
     env = oracle.env_for(model)
     env.pop("VLLM_MLA_DISABLE", None)  # MLA on the GPU
     env.update(CUDA_VISIBLE_DEVICES=str(gpu), VLLM_USE_FLASHINFER_SAMPLER="0")
+    if runner is not None:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
     return env
 
 
-def _proc(args, model, log, gpu, procs):
+def _proc(args, model, log, gpu, procs, runner=None):
     p = oracle.Proc.__new__(oracle.Proc)
     p.log = log
     p.fh = open(log, "w")
@@ -61,7 +65,8 @@ def _proc(args, model, log, gpu, procs):
 
     p.p = subprocess.Popen(
         [sys.executable, str(oracle.PROC), *args, "--model", str(model), *GPU_ARGS],
-        stdout=p.fh, stderr=subprocess.STDOUT, env=_env(model, gpu), start_new_session=True,
+        stdout=p.fh, stderr=subprocess.STDOUT, env=_env(model, gpu, runner),
+        start_new_session=True,
     )
     procs.append(p)
     return p
@@ -79,26 +84,106 @@ def _compare(plain: dict, afd: dict) -> float:
     return worst
 
 
-CASES = [("gloo", 0)]
+START = 300
+# FULL_DECODE_ONLY graphs for decode batches up to 4 sequences (max_num_seqs).
+GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}
+COMPILED_GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}
+MODES = {"eager": None, "graphs": GRAPHS, "compiled-graphs": COMPILED_GRAPHS}
+
+# (connector, FFN GPU, mode, model runner)
+CASES = [
+    ("gloo", 0, "eager", None),
+    ("cuda_ipc", 0, "eager", "v1"),
+    ("cuda_ipc", 0, "eager", "v2"),
+    ("cuda_ipc", 0, "graphs", "v1"),
+    ("cuda_ipc", 0, "graphs", "v2"),
+]
 if torch.cuda.device_count() >= 2:
-    CASES.append(("nccl", 1))
+    CASES.append(("nccl", 1, "eager", None))
+
+_PLAIN: dict[tuple, dict] = {}
 
 
-@pytest.mark.parametrize("connector,ffn_gpu", CASES)
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2_mla"])
-def test_gpu_oracle_1a1f(name, connector, ffn_gpu, tmp_path, procs):
+def _mode_args(mode: str) -> list[str]:
+    cc = MODES[mode]
+    return [] if cc is None else ["--compilation-config", json.dumps(cc)]
+
+
+def _plain(name, mode, runner, tmp_path, procs) -> dict:
+    key = (name, mode, runner)
+    if key not in _PLAIN:
+        model = MODELS_DIR / name
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        prompts = oracle.write_prompts(tmp_path)
+        out = tmp_path / "plain.json"
+        plain = _proc(["plain", "--prompts", str(prompts), "--out", str(out), *_mode_args(mode)],
+                      model, tmp_path / "plain.log", 0, procs, runner)
+        assert plain.wait(START) == 0, plain.tail()
+        _PLAIN[key] = json.loads(out.read_text())
+    return _PLAIN[key]
+
+
+def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None) -> dict:
     model = MODELS_DIR / name
     prompts = oracle.write_prompts(tmp_path)
-    plain = _proc(["plain", "--prompts", str(prompts), "--out", str(tmp_path / "plain.json")],
-                  model, tmp_path / "plain.log", 0, procs)
-    assert plain.wait(oracle.START_TIMEOUT) == 0, plain.tail()
     port = oracle.free_port(3)
-    ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, connector=connector)],
+    kw = dict(connector=connector, **(extra or {}))
+    ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **kw)],
                 model, tmp_path / "ffn.log", ffn_gpu, procs)
-    attn = _proc(["attention", "--afd", oracle.afd_json("attention", port, connector=connector),
-                  "--prompts", str(prompts), "--out", str(tmp_path / "afd.json")],
-                 model, tmp_path / "attn.log", 0, procs)
-    assert attn.wait(oracle.START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
-    worst = _compare(json.loads((tmp_path / "plain.json").read_text()),
-                     json.loads((tmp_path / "afd.json").read_text()))
-    print(f"{name} {connector}: tokens identical, max |logprob diff| {worst:.3g}")
+    attn = _proc(["attention", "--afd", oracle.afd_json("attention", port, **kw),
+                  "--prompts", str(prompts), "--out", str(tmp_path / "afd.json"),
+                  *_mode_args(mode)],
+                 model, tmp_path / "attn.log", 0, procs, runner)
+    assert attn.wait(START) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    return json.loads((tmp_path / "afd.json").read_text())
+
+
+def _ffn_log(tmp_path) -> str:
+    return (tmp_path / "ffn.log").read_text(errors="replace")
+
+
+@pytest.mark.parametrize("connector,ffn_gpu,mode,runner", CASES)
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2_mla"])
+def test_gpu_oracle_1a1f(name, connector, ffn_gpu, mode, runner, tmp_path, procs):
+    plain = _plain(name, mode, runner, tmp_path / "plain", procs)
+    afd = _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs)
+    worst = _compare(plain, afd)
+    attn_log = (tmp_path / "attn.log").read_text(errors="replace")
+    # Only cuda_ipc can run inside CUDA graphs; the others force eager with a warning.
+    assert ("running eager" in attn_log) == (connector != "cuda_ipc")
+    if connector == "cuda_ipc":
+        # Decode steps repeat their sizes: the FFN rank captures and replays them.
+        assert "captured a CUDA graph for step" in _ffn_log(tmp_path)
+    print(f"ORACLE {name} {connector} {mode} runner={runner or 'default'}: tokens identical, "
+          f"max |logprob diff| {worst:.3g}")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe"])
+def test_gpu_oracle_compiled_graphs(name, tmp_path, procs):
+    """torch.compile + FULL_DECODE_ONLY: the remote-FFN op stays opaque."""
+    plain = _plain(name, "compiled-graphs", "v1", tmp_path / "plain", procs)
+    afd = _afd(name, "cuda_ipc", 0, "compiled-graphs", "v1", tmp_path, procs)
+    worst = _compare(plain, afd)
+    print(f"ORACLE {name} cuda_ipc compiled-graphs runner=v1: tokens identical, "
+          f"max |logprob diff| {worst:.3g}")
+
+
+def test_gpu_oracle_router_on_attention(tmp_path, procs):
+    """Router logits travel with the hidden states through the device inboxes."""
+    name = "qwen3_moe"
+    plain = _plain(name, "graphs", "v1", tmp_path / "plain", procs)
+    afd = _afd(name, "cuda_ipc", 0, "graphs", "v1", tmp_path, procs,
+               extra={"compute_gate_on_attention": True})
+    worst = _compare(plain, afd)
+    print(f"ORACLE {name} cuda_ipc graphs gate-on-attention: tokens identical, "
+          f"max |logprob diff| {worst:.3g}")
+
+
+def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
+    """The FFN-side graph cache changes nothing but speed."""
+    name = "qwen3_moe"
+    plain = _plain(name, "graphs", "v1", tmp_path / "plain", procs)
+    afd = _afd(name, "cuda_ipc", 0, "graphs", "v1", tmp_path, procs,
+               extra={"connector_extra_config": {"ffn_cuda_graphs": False}})
+    _compare(plain, afd)
+    assert "captured a CUDA graph" not in _ffn_log(tmp_path)

@@ -151,8 +151,14 @@ BAD = [
     ({"role": "FFN"}, r"'role' must be one of attention, ffn; got 'FFN'"),
     ({"role": 1}, r"'role' must be one of attention, ffn; got 1"),
     ({"role": ["ffn"]}, r"'role' must be one of attention, ffn; got \['ffn'\]"),
-    ({"role": "ffn", "connector": "mooncake"}, r"unknown connector 'mooncake'; known: gloo, nccl"),
+    ({"role": "ffn", "connector": "mooncake"}, r"unknown connector 'mooncake'; known: cuda_ipc, gloo, ipc, nccl"),
     ({"role": "ffn", "connector": 3}, r"'connector' must be a string; got int"),
+    ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graphs": "yes"}},
+     r"connector_extra_config\.ffn_cuda_graphs must be true or false; got 'yes'"),
+    ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graph_max_tokens": -1}},
+     r"connector_extra_config\.ffn_cuda_graph_max_tokens must be a non-negative integer; got -1"),
+    ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graph_max_count": 2.5}},
+     r"connector_extra_config\.ffn_cuda_graph_max_count must be a non-negative integer; got 2\.5"),
     ({"role": "ffn", "connector": None}, r"'connector' must be a string; got NoneType"),
     ({"role": "ffn", "host": ""}, r"'host' must not be empty"),
     ({"role": "ffn", "host": "   "}, r"'host' must not be empty"),
@@ -428,6 +434,18 @@ def test_verify_forces_eager_on_gpu_attention():
     v = _gpu_vllm()
     cfg(role="attention").verify_with_vllm_config(v)
     assert v.model_config.enforce_eager is True
+
+
+def test_verify_keeps_graphs_with_cuda_ipc():
+    v = _gpu_vllm()
+    cfg(role="attention", connector="cuda_ipc").verify_with_vllm_config(v)
+    assert v.model_config.enforce_eager is False
+
+
+@pytest.mark.parametrize("role", ["attention", "ffn"])
+def test_verify_refuses_cuda_ipc_off_cuda(role):
+    with pytest.raises(AFDConfigError, match=r"connector 'cuda_ipc' .* runs on 'cpu'.* 'gloo'"):
+        cfg(role=role, connector="ipc").verify_with_vllm_config(_gpu_vllm(device_type="cpu"))
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ class AttentionClient:
         self.last = max(self.layers)
 
     def connect(self, vllm_config) -> None:
-        from vllm.afd.model_split import ffn_fingerprint, get_afd_config
+        from vllm.afd.model_split import ffn_fingerprint, get_afd_config, router_logits_width
         from vllm.distributed.afd.base import ConnectorContext, create_attention_connector
 
         cfg = get_afd_config(vllm_config)
@@ -63,6 +63,7 @@ class AttentionClient:
             fingerprint=ffn_fingerprint(vllm_config, self.layers),
             max_num_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
             device=vllm_config.device_config.device,
+            num_router_logits=router_logits_width(vllm_config),
         )
         connector = create_attention_connector(ctx)
         metrics.STATS.start("attention", rank, self.peers)
@@ -117,7 +118,9 @@ class AttentionClient:
         self._bytes_in += out.numel() * out.element_size()
         if layer_idx == self.last:
             conn.end_step()
-            self._record_step()
+            # A captured pass only records work (the FFN rank counts replays).
+            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._record_step()
         return out
 
     def _record_step(self) -> None:

@@ -112,9 +112,7 @@ class FFNModelRunner:
         if load_dummy_weights:
             load_config.load_format = "dummy"
         loader = get_model_loader(load_config)
-        self.model = loader.load_model(
-            vllm_config=self.vllm_config, model_config=self.model_config
-        )
+        self.model = loader.load_model(vllm_config=self.vllm_config, model_config=self.model_config)
         self.modules = dict(sorted(STATE.ffn_modules.items()))
         if self.afd_config.compute_gate_on_attention:
             from vllm.afd.model_split import is_routed_moe
@@ -122,12 +120,13 @@ class FFNModelRunner:
             self.gates = {
                 i: _GivenRouterLogits(m) for i, m in self.modules.items() if is_routed_moe(m)
             }
-        n_params = sum(
-            p.numel() for m in self.modules.values() for p in m.parameters()
-        )
+        n_params = sum(p.numel() for m in self.modules.values() for p in m.parameters())
         logger.info(
             "AFD FFN role: built %d FFN blocks (layers %s, %.2f M parameters) in %.1f s",
-            len(self.modules), list(self.modules), n_params / 1e6, time.perf_counter() - t0,
+            len(self.modules),
+            list(self.modules),
+            n_params / 1e6,
+            time.perf_counter() - t0,
         )
         self.start_serving()
 
@@ -159,7 +158,7 @@ class FFNModelRunner:
 
     # -- serving -------------------------------------------------------------
     def start_serving(self) -> None:
-        from vllm.afd.model_split import ffn_fingerprint
+        from vllm.afd.model_split import ffn_fingerprint, router_logits_width
         from vllm.distributed.afd.base import ConnectorContext, create_ffn_connector
 
         cfg = self.afd_config
@@ -170,9 +169,25 @@ class FFNModelRunner:
             fingerprint=ffn_fingerprint(self.vllm_config, list(self.modules)),
             max_num_tokens=int(self.vllm_config.scheduler_config.max_num_batched_tokens),
             device=self.device,
+            num_router_logits=router_logits_width(self.vllm_config),
         )
         self.rank = rank
         self.connector = create_ffn_connector(ctx)
+        extra = cfg.connector_extra_config
+        # FFN-side CUDA graphs, keyed by the step's (attention rank, token count)
+        # pairs: a key is captured the second time it is served eagerly.
+        self.graphs_enabled = (
+            self.device.type == "cuda"
+            and self.connector.graph_capable
+            and bool(extra.get("ffn_cuda_graphs", True))
+        )
+        self.graph_max_tokens = int(extra.get("ffn_cuda_graph_max_tokens", 512))
+        self.graph_max_count = int(extra.get("ffn_cuda_graph_max_count", 64))
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graph_seen: dict[tuple, int] = {}
+        self._graph_gen = -1
+        self._graph_pool = None
+        self.graph_replays = 0
         self.connector.start()
         metrics.STATS.start("ffn", rank, self.connector.peer_states)
         # With nccl, compute time is host-side (kernels run asynchronously).
@@ -213,6 +228,81 @@ class FFNModelRunner:
                 cb(self.error)
 
     def _run_step(self, ready) -> None:
+        key = tuple((p.rank, p.control.num_tokens) for p in ready)
+        if self.graphs_enabled:
+            if self.connector.generation != self._graph_gen:
+                # An attention rank (re)joined: its buffers moved.
+                self.graphs.clear()
+                self._graph_seen.clear()
+                self._graph_gen = self.connector.generation
+            graph = self.graphs.get(key)
+            if graph is not None:
+                with record_function("afd.ffn_graph_replay"):
+                    graph.replay()
+                self.graph_replays += 1
+                metrics.STATS.inc("ffn_graph_replays")
+                self._account(ready, *self._step_bytes(ready), None, None)
+                return
+        transfer, compute, nbytes_in, nbytes_out = self._step_body(ready, capture=False)
+        self._account(ready, nbytes_in, nbytes_out, compute, transfer)
+        if self.graphs_enabled:
+            seen = self._graph_seen[key] = self._graph_seen.get(key, 0) + 1
+            total = sum(c for _, c in key)
+            if (
+                seen >= 2
+                and total <= self.graph_max_tokens
+                and len(self.graphs) < self.graph_max_count
+            ):
+                self._capture(key, ready)
+
+    def _capture(self, key: tuple, ready) -> None:
+        t0 = time.perf_counter()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                self._step_body(ready, capture=True)
+        except Exception as e:  # noqa: BLE001 - eager serving goes on
+            logger.warning(
+                "AFD FFN role: CUDA graph capture for %s failed (%s); serving it eagerly", key, e
+            )
+            self.graph_max_count = 0
+            return
+        self.graphs[key] = graph
+        logger.info(
+            "AFD FFN role: captured a CUDA graph for step %s in %.1f ms (%d graphs)",
+            key,
+            (time.perf_counter() - t0) * 1e3,
+            len(self.graphs),
+        )
+
+    def _step_bytes(self, ready) -> tuple[int, int]:
+        total = sum(p.control.num_tokens for p in ready)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        n = len(self.modules)
+        logits = sum(g.num_experts * 4 for g in self.gates.values())
+        return (
+            n * total * self.hidden_size * elem + total * logits,
+            n * total * self.hidden_size * elem,
+        )
+
+    def _account(self, ready, nbytes_in, nbytes_out, compute, transfer) -> None:
+        stats = metrics.STATS
+        self.steps_served += 1
+        stats.inc("ffn_steps_served")
+        stats.inc("bytes_received", nbytes_in)
+        stats.inc("bytes_sent", nbytes_out)
+        if compute is not None:
+            stats.observe("ffn_step_compute_seconds", compute)
+            stats.observe("ffn_step_transfer_seconds", transfer)
+        if len(ready) > 1:
+            self.batched_steps += 1
+            stats.inc("ffn_batched_steps")
+
+    def _step_body(self, ready, capture: bool):
+        """Receive, compute and send every layer of one step. With
+        ``capture`` this runs inside CUDA graph capture: device work only."""
         from vllm.forward_context import set_forward_context
 
         counts = [p.control.num_tokens for p in ready]
@@ -223,6 +313,7 @@ class FFNModelRunner:
         x = torch.empty((total, self.hidden_size), dtype=self.dtype, device=self.device)
         stats = metrics.STATS
         clock = time.perf_counter
+        sync = self._sync_timing and not capture
         transfer = compute = 0.0
         nbytes_in = nbytes_out = 0
         with set_forward_context(None, self.vllm_config, num_tokens=total):
@@ -242,7 +333,7 @@ class FFNModelRunner:
                 t1 = clock()
                 with record_function("afd.ffn_compute"):
                     y = module(x) if router is None else router.forward(module, x, logits)
-                    if self._sync_timing:
+                    if sync:
                         # The TCP connector stages through host memory anyway;
                         # syncing here only moves the wait into compute time.
                         torch.cuda.current_stream().synchronize()
@@ -251,22 +342,15 @@ class FFNModelRunner:
                     for i, peer in enumerate(ready):
                         self.connector.send(peer, y[offsets[i] : offsets[i + 1]])
                 t3 = clock()
-                stats.layer(layer_idx, t2 - t1)
+                if not capture:
+                    stats.layer(layer_idx, t2 - t1)
                 transfer += (t1 - t0) + (t3 - t2)
                 compute += t2 - t1
                 nbytes_in += x.numel() * x.element_size() + (
                     0 if logits is None else logits.numel() * 4
                 )
                 nbytes_out += y.numel() * y.element_size()
-        self.steps_served += 1
-        stats.inc("ffn_steps_served")
-        stats.inc("bytes_received", nbytes_in)
-        stats.inc("bytes_sent", nbytes_out)
-        stats.observe("ffn_step_compute_seconds", compute)
-        stats.observe("ffn_step_transfer_seconds", transfer)
-        if len(ready) > 1:
-            self.batched_steps += 1
-            stats.inc("ffn_batched_steps")
+        return transfer, compute, nbytes_in, nbytes_out
 
     def request_profile(self, start: bool) -> None:
         """Start/stop profiling from this FFN server's own profiler controls;
@@ -282,7 +366,7 @@ class FFNModelRunner:
             logger.warning(
                 "AFD FFN role: asked to %s profiling, but this FFN "
                 "server has no torch profiler configured; start it with "
-                "--profiler-config '{\"profiler\": \"torch\", \"torch_profiler_dir\": DIR}' "
+                '--profiler-config \'{"profiler": "torch", "torch_profiler_dir": DIR}\' '
                 "to get FFN traces",
                 "start" if start else "stop",
             )
@@ -297,13 +381,15 @@ class FFNModelRunner:
                     activities=activities,
                 )  # fmt: skip
                 self.profiler.start()
-                logger.info("AFD FFN role: profiler started (traces to %s)",
-                            pcfg.torch_profiler_dir)
+                logger.info(
+                    "AFD FFN role: profiler started (traces to %s)", pcfg.torch_profiler_dir
+                )
         elif self.profiler is not None:
             profiler, self.profiler = self.profiler, None
             profiler.stop()
-            logger.info("AFD FFN role: profiler stopped, trace written to %s",
-                        pcfg.torch_profiler_dir)
+            logger.info(
+                "AFD FFN role: profiler stopped, trace written to %s", pcfg.torch_profiler_dir
+            )
 
     def stop(self) -> None:
         self._stop.set()

@@ -249,6 +249,16 @@ def post_load(vllm_config, model: nn.Module, model_config, target_device) -> boo
     return True
 
 
+def router_logits_width(vllm_config) -> int | None:
+    """Number of routed experts (the width of the router logits), if any."""
+    hf = vllm_config.model_config.hf_text_config
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        value = getattr(hf, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def ffn_fingerprint(vllm_config, ffn_layers: list[int]) -> dict:
     """What both roles must agree on (see vllm.afd.protocol.FINGERPRINT_KEYS)."""
     from vllm.afd.protocol import PROTOCOL_VERSION

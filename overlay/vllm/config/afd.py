@@ -28,7 +28,14 @@ CONNECTOR_ALIASES = {
     "tcp": "gloo",
     "nccl": "nccl",
     "p2pncclafdconnector": "nccl",
+    "cuda_ipc": "cuda_ipc",
+    "ipc": "cuda_ipc",
 }
+
+# Connectors whose layer exchange is device work only (kernels and copies on
+# the current stream, step control included), so it can be captured in a CUDA
+# graph. With any other connector the attention role on a GPU runs eager.
+GRAPH_CAPABLE_CONNECTORS = ("cuda_ipc",)
 
 # The largest FFN ranks count the NCCL connector serves in this release
 # (M:N with several FFN ranks needs expert parallelism between them).
@@ -68,9 +75,7 @@ class AFDConfig:
         if isinstance(raw, AFDConfig):
             return raw
         if not isinstance(raw, dict):
-            raise AFDConfigError(
-                f"{source}: expected a JSON object, got {type(raw).__name__}"
-            )
+            raise AFDConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         unknown = sorted(set(raw) - set(cls.keys()))
         if unknown:
             raise AFDConfigError(
@@ -95,9 +100,7 @@ class AFDConfig:
         return cls.from_dict(raw, source)
 
     @classmethod
-    def from_engine_args(
-        cls, afd_config: Any, additional_config: Any
-    ) -> AFDConfig | None:
+    def from_engine_args(cls, afd_config: Any, additional_config: Any) -> AFDConfig | None:
         """Merge the two spellings; both at once is an error."""
         from_additional = None
         if isinstance(additional_config, dict) and "afd" in additional_config:
@@ -184,16 +187,20 @@ class AFDConfig:
                 fail(f"'rank' must be an integer; got {self.rank!r}")
             limit = m if self.role == "attention" else n
             if not 0 <= self.rank < limit:
-                fail(
-                    f"'rank' {self.rank} is out of range for role {self.role!r} "
-                    f"(0..{limit - 1})"
-                )
+                fail(f"'rank' {self.rank} is out of range for role {self.role!r} (0..{limit - 1})")
         window = self.connector_extra_config.get("batch_window_ms", 0)
         if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
             fail("connector_extra_config.batch_window_ms must be a non-negative number")
         secret_env = self.connector_extra_config.get("secret_env")
         if secret_env is not None and not isinstance(secret_env, str):
             fail("connector_extra_config.secret_env must be the name of an environment variable")
+        graphs = self.connector_extra_config.get("ffn_cuda_graphs", True)
+        if not isinstance(graphs, bool):
+            fail(f"connector_extra_config.ffn_cuda_graphs must be true or false; got {graphs!r}")
+        for key, default in (("ffn_cuda_graph_max_tokens", 512), ("ffn_cuda_graph_max_count", 64)):
+            value = self.connector_extra_config.get(key, default)
+            if not _is_int(value) or value < 0:
+                fail(f"connector_extra_config.{key} must be a non-negative integer; got {value!r}")
 
     def verify_with_vllm_config(self, vllm_config: Any) -> None:
         """Refuse combinations this release does not support (duck-typed on
@@ -213,20 +220,28 @@ class AFDConfig:
         model_config = getattr(vllm_config, "model_config", None)
         device_config = getattr(vllm_config, "device_config", None)
         device_type = getattr(device_config, "device_type", "cpu")
+        if self.connector in GRAPH_CAPABLE_CONNECTORS and device_type != "cuda":
+            raise AFDConfigError(
+                f"AFD: connector {self.connector!r} moves activations between CUDA devices of "
+                f"one host; this engine runs on {device_type!r}. Use connector 'gloo' there."
+            )
         if (
             self.is_attention
             and device_type != "cpu"
+            and self.connector not in GRAPH_CAPABLE_CONNECTORS
             and model_config is not None
             and not model_config.enforce_eager
         ):
-            # The remote-FFN exchange is host code inside the forward pass: a
-            # replayed CUDA graph would skip it. Graph capture with AFD needs
-            # the step control outside the graph (not in this release).
+            # The exchange of this connector is host code inside the forward
+            # pass: a replayed CUDA graph would skip it.
             import logging
 
             logging.getLogger("vllm.afd").warning(
-                "AFD attention role on %s: CUDA graphs are not supported with AFD yet; "
-                "running eager (as with --enforce-eager)", device_type
+                "AFD attention role on %s: connector %r cannot run inside CUDA graphs; "
+                "running eager (as with --enforce-eager). Use connector 'cuda_ipc' "
+                "(one host) for CUDA graphs",
+                device_type,
+                self.connector,
             )
             model_config.enforce_eager = True
 

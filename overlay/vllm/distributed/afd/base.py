@@ -27,9 +27,16 @@ class ConnectorContext:
     fingerprint: dict
     max_num_tokens: int
     device: torch.device
+    # Width of the router logits sent with each layer when the gate runs on
+    # the attention role (sizes device-side inboxes).
+    num_router_logits: int | None = None
 
 
 class AttentionConnector(ABC):
+    # True when begin_step/send/recv are device work only (capturable in CUDA
+    # graphs, see vllm.config.afd.GRAPH_CAPABLE_CONNECTORS).
+    graph_capable = False
+
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
 
@@ -77,6 +84,9 @@ class StepPeer:
 
 
 class FFNConnector(ABC):
+    graph_capable = False
+    generation = 0  # see IPCFFNConnector.generation
+
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
 
@@ -128,6 +138,8 @@ def _ensure_builtin() -> None:
         from vllm.distributed.afd import tcp  # noqa: F401  (registers itself)
     if "nccl" not in _ATTENTION:
         from vllm.distributed.afd import nccl  # noqa: F401
+    if "cuda_ipc" not in _ATTENTION:
+        from vllm.distributed.afd import cuda_ipc  # noqa: F401
 
 
 def create_attention_connector(ctx: ConnectorContext) -> AttentionConnector:

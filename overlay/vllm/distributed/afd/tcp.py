@@ -172,9 +172,7 @@ class TCPAttentionConnector(AttentionConnector):
         local["auth"] = _auth_token(_secret(self.ctx), local)
         _send_all(sock, pack_hello(local), self.timeout, self.peer)
         hello_deadline = max(deadline, time.monotonic() + 10.0)
-        n = unpack_hello_preamble(
-            _recv_bytes(sock, HELLO_PREAMBLE.size, hello_deadline, self.peer)
-        )
+        n = unpack_hello_preamble(_recv_bytes(sock, HELLO_PREAMBLE.size, hello_deadline, self.peer))
         remote = parse_hello(_recv_bytes(sock, n, hello_deadline, self.peer))
         status = remote.get("status")
         if status != "ok":
@@ -240,8 +238,7 @@ class TCPAttentionConnector(AttentionConnector):
         with self._lock:
             sock = self._check()
             self._send(sock, Control(MSG_PROFILE, flags=int(is_start)).pack())
-        logger.info("AFD: asked %s to %s its profiler", self.peer,
-                    "start" if is_start else "stop")
+        logger.info("AFD: asked %s to %s its profiler", self.peer, "start" if is_start else "stop")
 
     def close(self) -> None:
         self._closed.set()
@@ -315,7 +312,10 @@ class TCPFFNConnector(FFNConnector):
         self._accept_thread.start()
         logger.info(
             "AFD: FFN rank %d listening on %s:%d for attention ranks %s",
-            self.ctx.rank, host, port, sorted(self.expected),
+            self.ctx.rank,
+            host,
+            port,
+            sorted(self.expected),
         )
 
     # -- accepting ---------------------------------------------------------
@@ -377,8 +377,9 @@ class TCPFFNConnector(FFNConnector):
             or not isinstance(remote.get("afd_revision"), str)
         ):
             logger.warning("AFD: refused %s: hello lacks role/rank/afd_revision", addr)
-            self._reply(sock, "refused: hello lacks a string role, an integer rank "
-                        "and afd_revision")
+            self._reply(
+                sock, "refused: hello lacks a string role, an integer rank and afd_revision"
+            )
             sock.close()
             return False
         secret = _secret(self.ctx)
@@ -414,12 +415,24 @@ class TCPFFNConnector(FFNConnector):
                 sock.close()
                 return False
             self._reply(sock, "ok")
+            try:
+                self._accept_device(rank, sock, addr)
+            except Exception as e:  # noqa: BLE001 - this peer is refused, serving goes on
+                logger.error(
+                    "AFD: attention rank %d from %s: device channel failed: %s", rank, addr, e
+                )
+                sock.close()
+                return False
             self.peers[rank] = _Peer(rank, sock, addr)
             if set(self.peers) == self.expected:
                 self._ever_complete = True
-        logger.info("AFD: FFN rank %d accepted attention rank %d from %s",
-                    self.ctx.rank, rank, addr)
+        logger.info(
+            "AFD: FFN rank %d accepted attention rank %d from %s", self.ctx.rank, rank, addr
+        )
         return True
+
+    def _accept_device(self, rank: int, sock: socket.socket, addr: str) -> None:
+        """After an accepted hello: set up a device data path (none here)."""
 
     # -- serving -------------------------------------------------------------
     def wait_step(self, timeout: float) -> list[StepPeer]:
@@ -429,9 +442,7 @@ class TCPFFNConnector(FFNConnector):
         now = time.monotonic()
         if not complete and now - self._started_at > self.timeout:
             missing = sorted(self.expected - {p.rank for p in peers})
-            refused = (
-                f" Last refused hello: {self._last_refusal}." if self._last_refusal else ""
-            )
+            refused = f" Last refused hello: {self._last_refusal}." if self._last_refusal else ""
             raise AFDPeerError(
                 f"AFD FFN rank {self.ctx.rank} on {self.addr[0]}:{self.addr[1]}: attention "
                 f"rank(s) {missing} did not connect within timeout_s={self.timeout:g}."
@@ -447,8 +458,7 @@ class TCPFFNConnector(FFNConnector):
             # this step, so that their tokens share one FFN pass.
             now = time.monotonic()
             got = {r.rank for r in ready}
-            waiting = [p for p in peers
-                       if p.rank not in got and now - p.last_step < self.ACTIVE_S]
+            waiting = [p for p in peers if p.rank not in got and now - p.last_step < self.ACTIVE_S]
             deadline = now + self.batch_window
             while waiting and (left := deadline - time.monotonic()) > 0:
                 more = self._poll(waiting, left)
@@ -480,9 +490,7 @@ class TCPFFNConnector(FFNConnector):
                 ready.append(StepPeer(p.rank, ctrl))
             elif time.monotonic() - p.last_seen > self.timeout:
                 self._drop(p)
-                raise AFDPeerError(
-                    f"lost AFD {p.name}: nothing received for {self.timeout:g} s"
-                )
+                raise AFDPeerError(f"lost AFD {p.name}: nothing received for {self.timeout:g} s")
         return ready
 
     def _read_control(self, p: _Peer) -> Control | None:

@@ -1,0 +1,539 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CUDA IPC connector for AFD on the GPUs of one host (``cuda_ipc``).
+
+The layer exchange is device work only, so the attention role can capture it
+in CUDA graphs and the FFN role can replay its own graphs:
+
+* each side allocates an *inbox* in its own GPU memory (data buffer plus a
+  row of int64 flags) and hands the other side a CUDA IPC handle to it over
+  the TCP connector's socket, after the usual hello;
+* a message is a copy into the peer's inbox followed by a one-program Triton
+  kernel that bumps a device-side counter and release-stores it into the
+  peer's flag; the receiver's kernel spins on its own flag (acquire) until it
+  reaches its own counter + 1. Counters live on the device, so a replayed
+  graph advances them like an eager step does;
+* the step-control message (token count, flags) is written the same way, into
+  the FFN rank's control row; the FFN host polls that row with a small copy on
+  a side stream (the FFN rank has nothing else to do meanwhile).
+
+No host synchronisation per layer on the attention side and no per-step host
+round trip: the attention host only launches work.
+
+Failure stays explicit and bounded: every device wait gives up after
+``timeout_s`` (``globaltimer``) and sets an error word; the attention side's
+watchdog thread reads that word and watches the TCP socket (EOF of a dead FFN
+rank is immediate) and, on a failure, records it for the engine-death message
+and ends the process (its GPU stream may be stuck behind a wait, and the
+step's output must not reach a client). The TCP socket keeps carrying
+heartbeats, goodbye and profiler requests.
+
+Both processes must see the GPU of the other (one host; on several GPUs give
+both the same devices in ``CUDA_VISIBLE_DEVICES``, in an order that makes
+each process's device 0 its own GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+
+import torch
+
+from vllm.afd import failure
+from vllm.afd.protocol import (
+    HELLO_PREAMBLE,
+    MSG_STEP,
+    AFDPeerError,
+    AFDProtocolError,
+    Control,
+    pack_hello,
+    parse_hello,
+    unpack_hello_preamble,
+)
+from vllm.distributed.afd.base import ConnectorContext, StepPeer, register_connector
+from vllm.distributed.afd.tcp import (
+    TCPAttentionConnector,
+    TCPFFNConnector,
+    _Peer,
+    _recv_bytes,
+    _send_all,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+ALIGN = 256
+ROW = 8  # int64 words per flag row (64 bytes: every pointer the kernels get is aligned alike)
+# FFN control row of one attention rank: [0] control flag, [1] payload seq,
+# [2] num_tokens, [3] flags, [4] data flag.
+C_FLAG, C_SEQ, C_TOKENS, C_FLAGS, C_DATA = 0, 1, 2, 3, 4
+POISON = 1 << 62
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# ----------------------------------------------------------------- kernels
+try:  # triton ships with torch; a build without it cannot use this connector
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import globaltimer
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _signal_kernel(ctr_ptr, flag_ptr):
+        c = tl.load(ctr_ptr) + 1
+        tl.store(ctr_ptr, c)
+        tl.atomic_xchg(flag_ptr, c, sem="release", scope="sys")
+
+    @triton.jit(do_not_specialize=["num_tokens", "flags"])
+    def _control_kernel(ctr_ptr, row_ptr, num_tokens, flags):
+        c = tl.load(ctr_ptr) + 1
+        tl.store(ctr_ptr, c)
+        tl.store(row_ptr + 1, c)
+        tl.store(row_ptr + 2, num_tokens.to(tl.int64))
+        tl.store(row_ptr + 3, flags.to(tl.int64))
+        tl.atomic_xchg(row_ptr, c, sem="release", scope="sys")
+
+    @triton.jit(do_not_specialize=["timeout_ns"])
+    def _wait_kernel(ctr_ptr, flag_ptr, err_ptr, timeout_ns):
+        c = tl.load(ctr_ptr) + 1
+        t0 = globaltimer()
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        waiting = v < c
+        while waiting:
+            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            waiting = (v < c) & ((globaltimer() - t0) < timeout_ns)
+        if v < c:
+            tl.store(err_ptr, c)  # the message this wait gave up on
+        tl.store(ctr_ptr, c)
+
+
+def _kernels():
+    if triton is None:
+        raise RuntimeError("AFD cuda_ipc connector needs triton")
+    return _signal_kernel, _control_kernel, _wait_kernel
+
+
+def _signal(ctr: torch.Tensor, flag: torch.Tensor) -> None:
+    _kernels()[0][(1,)](ctr, flag, num_warps=1)
+
+
+def _control(ctr: torch.Tensor, row: torch.Tensor, num_tokens: int, flags: int) -> None:
+    _kernels()[1][(1,)](ctr, row, num_tokens, flags, num_warps=1)
+
+
+def _wait(ctr: torch.Tensor, flag: torch.Tensor, err: torch.Tensor, timeout_ns: int) -> None:
+    _kernels()[2][(1,)](ctr, flag, err, timeout_ns, num_warps=1)
+
+
+# ------------------------------------------------------- IPC of raw buffers
+def export_buffer(t: torch.Tensor) -> dict:
+    """A JSON-able description of a 1-D uint8 CUDA tensor for another process
+    of this host (torch's own CUDA IPC, without pickling)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    assert t.dtype == torch.uint8 and t.dim() == 1 and t.is_cuda
+    _, args = reduce_tensor(t)
+    (_, size, _, offset, _, _, device, handle, storage_bytes, storage_offset, _,
+     ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
+    return {
+        "numel": int(size[0]),
+        "offset": int(offset),
+        "device": int(device),
+        "handle": bytes(handle).hex(),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset),
+        "ref_handle": bytes(ref_handle).hex(),
+        "ref_offset": int(ref_offset),
+        "event_handle": bytes(event_handle).hex() if event_handle else "",
+        "event_sync": bool(event_sync),
+    }
+
+
+def import_buffer(d: dict) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    try:
+        numel, offset, device = int(d["numel"]), int(d["offset"]), int(d["device"])
+        handle = bytes.fromhex(d["handle"])
+        storage_bytes, storage_offset = int(d["storage_bytes"]), int(d["storage_offset"])
+        ref_handle, ref_offset = bytes.fromhex(d["ref_handle"]), int(d["ref_offset"])
+        event_handle = bytes.fromhex(d["event_handle"]) if d["event_handle"] else None
+        event_sync = bool(d["event_sync"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise AFDProtocolError(f"bad CUDA IPC buffer description: {e}") from e
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([numel]), (1,), offset, torch.storage.TypedStorage,
+        torch.uint8, device, handle, storage_bytes, storage_offset, False,
+        ref_handle, ref_offset, event_handle, event_sync,
+    )  # fmt: skip
+
+
+def _exchange_desc(sock, mine: dict, deadline: float, peer: str, timeout: float) -> dict:
+    """Send our buffer descriptions and read the peer's (hello framing)."""
+    _send_all(sock, pack_hello(mine), timeout, peer)
+    n = unpack_hello_preamble(_recv_bytes(sock, HELLO_PREAMBLE.size, deadline, peer))
+    return parse_hello(_recv_bytes(sock, n, deadline, peer))
+
+
+def message_bytes(ctx: ConnectorContext) -> int:
+    """Inbox size: one layer's messages at the largest step (hidden states,
+    plus float32 router logits when the gate runs on the attention role)."""
+    hidden = int(ctx.fingerprint["hidden_size"])
+    dtype = getattr(torch, str(ctx.fingerprint["dtype"]))
+    per_token = hidden * torch.empty((), dtype=dtype).element_size()
+    if ctx.config.compute_gate_on_attention:
+        per_token += 4 * int(ctx.num_router_logits or 0)
+    return _align(ctx.max_num_tokens * per_token) + 2 * ALIGN
+
+
+def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    n = like.numel() * like.element_size()
+    if offset + n > buf.numel():
+        raise AFDProtocolError(
+            f"AFD cuda_ipc: message of {n} bytes at offset {offset} exceeds the inbox "
+            f"({buf.numel()} bytes)"
+        )
+    return buf[offset : offset + n].view(like.dtype).view(like.shape)
+
+
+def _timeout_ns(ctx: ConnectorContext) -> int:
+    return int(float(ctx.config.timeout_s) * 1e9)
+
+
+# ----------------------------------------------------------- attention side
+class IPCAttentionConnector(TCPAttentionConnector):
+    graph_capable = True
+
+    def __init__(self, ctx: ConnectorContext):
+        super().__init__(ctx)
+        self.timeout_ns = _timeout_ns(ctx)
+        # Called with the failure message from the watchdog thread; the default
+        # ends the process (see the module docstring). Tests replace it.
+        self.on_failure = _exit_process
+        self._send_off = 0
+        self._watch: threading.Thread | None = None
+
+    def connect(self) -> None:
+        super().connect()
+        with self._lock:
+            try:
+                self._setup_device()
+            except BaseException:
+                self._dead = "device channel setup failed"
+                self.sock.close()
+                self.sock = None
+                raise
+        self._watch = threading.Thread(target=self._watchdog, name="afd-ipc-watch", daemon=True)
+        self._watch.start()
+
+    def _setup_device(self) -> None:
+        dev = self.ctx.device
+        if dev.type != "cuda":
+            raise RuntimeError("AFD cuda_ipc connector needs a CUDA device")
+        # flags: row 0 [0] data flag written by the FFN rank; row 1 [0] error word;
+        # rows 2, 3, 4: counters of control / data sent and data received.
+        self.flags = torch.zeros((5, ROW), dtype=torch.int64, device=dev)
+        self.outbox = torch.zeros(message_bytes(self.ctx), dtype=torch.uint8, device=dev)
+        mine = _flat({"flags": export_buffer(self.flags.view(-1).view(torch.uint8)),
+                      "outbox": export_buffer(self.outbox)})  # fmt: skip
+        deadline = time.monotonic() + self.timeout
+        remote = _exchange_desc(self.sock, mine, deadline, self.peer, self.timeout)
+        if remote.get("status") != "ok":
+            raise AFDPeerError(
+                f"AFD {self.peer} could not map this rank's buffers: {remote.get('status')}"
+            )
+        ctrl = import_buffer(_sub(remote, "ctrl")).view(torch.int64).view(-1, ROW)
+        self.inbox = import_buffer(_sub(remote, "inbox"))
+        row = int(remote["row"])
+        self.ctrl_row = ctrl[row]
+        self.data_flag = ctrl[row, C_DATA:]
+        self.err = self.flags[1]
+        self.ctr_ctrl, self.ctr_sent, self.ctr_recv = self.flags[2], self.flags[3], self.flags[4]
+        self._host_err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._side = torch.cuda.Stream(device=dev)
+        _kernels()
+        logger.info(
+            "AFD: cuda_ipc device channel to %s mapped (inbox %d bytes)",
+            self.peer,
+            self.inbox.numel(),
+        )
+
+    # -- per step (device work on the current stream) ---------------------
+    def begin_step(self, step_id: int, num_tokens: int) -> None:
+        self._check()
+        self._send_off = 0
+        _control(self.ctr_ctrl, self.ctrl_row, num_tokens, 0)
+
+    def send(self, x: torch.Tensor) -> None:
+        dst = _view(self.inbox, self._send_off, x)
+        dst.copy_(x)
+        self._send_off += _align(dst.numel() * dst.element_size())
+        _signal(self.ctr_sent, self.data_flag)
+
+    def recv(self, out: torch.Tensor) -> torch.Tensor:
+        _wait(self.ctr_recv, self.flags[0], self.err, self.timeout_ns)
+        out.copy_(_view(self.outbox, 0, out))
+        self._send_off = 0
+        return out
+
+    def end_step(self) -> None:
+        pass
+
+    # -- failure detection --------------------------------------------------
+    def _watchdog(self) -> None:
+        torch.accelerator.set_device_index(self.ctx.device.index or 0)
+        while not self._closed.wait(0.1):
+            msg = self._dead
+            if msg is None:
+                msg = self._probe()
+            if msg is not None:
+                self._dead = msg
+                logger.error("AFD: %s", msg)
+                failure.record("attention", self.ctx.rank, msg)
+                self.on_failure(msg)
+                return
+
+    def _probe(self) -> str | None:
+        sock = self.sock
+        if sock is None:
+            return None
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable and not sock.recv(1, 0x40 | 0x2):  # MSG_DONTWAIT | MSG_PEEK
+                return f"lost AFD peer {self.peer}: connection closed"
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            if self.sock is None:
+                return None
+            return f"lost AFD peer {self.peer}: {e}"
+        with torch.cuda.stream(self._side):
+            self._host_err.copy_(self.err[:1], non_blocking=True)
+        self._side.synchronize()
+        seq = int(self._host_err[0])
+        if seq:
+            return (
+                f"AFD peer {self.peer} did not answer within the timeout "
+                f"(timeout_s={self.timeout:g}, layer message {seq})"
+            )
+        return None
+
+    def close(self) -> None:
+        self._closed.set()
+        super().close()
+
+
+def _sub(d: dict, prefix: str) -> dict:
+    p = prefix + "."
+    return {k[len(p) :]: v for k, v in d.items() if k.startswith(p)}
+
+
+def _flat(d: dict) -> dict:
+    out = {}
+    for name, sub in d.items():
+        if isinstance(sub, dict):
+            out.update({f"{name}.{k}": v for k, v in sub.items()})
+        else:
+            out[name] = sub
+    return out
+
+
+def _exit_process(msg: str) -> None:
+    # Flush what the engine-death message reads (vllm.afd.failure) and the log.
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+# ----------------------------------------------------------------- FFN side
+class _Inbox:
+    def __init__(self, row: int, data: torch.Tensor):
+        self.row = row
+        self.data = data
+        self.outbox: torch.Tensor | None = None  # the attention rank's, mapped here
+        self.flags: torch.Tensor | None = None  # the attention rank's flag rows
+        self.recv_off = 0
+        self.seen = 0  # control messages consumed
+
+
+class IPCFFNConnector(TCPFFNConnector):
+    graph_capable = True
+
+    def __init__(self, ctx: ConnectorContext):
+        super().__init__(ctx)
+        self.timeout_ns = _timeout_ns(ctx)
+        self.ranks = sorted(self.expected)
+        self.inboxes: dict[int, _Inbox] = {}
+        self.ctrl: torch.Tensor | None = None
+        self.counters: torch.Tensor | None = None
+        # Bumped whenever an attention rank (re)joins: graphs captured before
+        # hold the device addresses of the previous session's buffers.
+        self.generation = 0
+
+    def start(self) -> None:
+        dev = self.ctx.device
+        if dev.type != "cuda":
+            raise RuntimeError("AFD cuda_ipc connector needs a CUDA device")
+        k = len(self.ranks)
+        # Row r: control/data flags of attention rank ranks[r]; row k: error word.
+        self.ctrl = torch.zeros((k + 1, ROW), dtype=torch.int64, device=dev)
+        # Per rank two counter rows: data received, data sent.
+        self.counters = torch.zeros((2 * k, ROW), dtype=torch.int64, device=dev)
+        size = message_bytes(self.ctx)
+        for r, rank in enumerate(self.ranks):
+            self.inboxes[rank] = _Inbox(r, torch.zeros(size, dtype=torch.uint8, device=dev))
+        self._host = torch.zeros((k + 1, ROW), dtype=torch.int64, pin_memory=True)
+        self._side = torch.cuda.Stream(device=dev)
+        _kernels()
+        super().start()
+
+    def _accept_device(self, rank: int, sock, addr: str) -> None:
+        """Map the attention rank's buffers and give it ours (handshake thread)."""
+        if self.ctx.device.type == "cuda":
+            torch.accelerator.set_device_index(self.ctx.device.index or 0)
+        box = self.inboxes[rank]
+        deadline = time.monotonic() + min(10.0, self.timeout)
+        n = unpack_hello_preamble(_recv_bytes(sock, HELLO_PREAMBLE.size, deadline, addr))
+        remote = parse_hello(_recv_bytes(sock, n, deadline, addr))
+        try:
+            box.flags = import_buffer(_sub(remote, "flags")).view(torch.int64).view(-1, ROW)
+            box.outbox = import_buffer(_sub(remote, "outbox"))
+        except Exception as e:  # noqa: BLE001 - answered, then the peer is refused
+            _send_all(sock, pack_hello({"status": f"cannot map buffers: {e}"}), 5.0, addr)
+            raise
+        mine = _flat({
+            "status": "ok",
+            "row": box.row,
+            "ctrl": export_buffer(self.ctrl.view(-1).view(torch.uint8)),
+            "inbox": export_buffer(box.data),
+        })  # fmt: skip
+        _send_all(sock, pack_hello(mine), 5.0, addr)
+        # A new session of this rank: the device counters start again.
+        r = box.row
+        self.ctrl[r].zero_()
+        self.counters[2 * r : 2 * r + 2].zero_()
+        torch.cuda.synchronize(self.ctx.device)
+        box.seen = 0
+        box.recv_off = 0
+        self.generation += 1
+
+    # -- serving -------------------------------------------------------------
+    def _poll(self, peers: list[_Peer], timeout: float) -> list[StepPeer]:
+        peers = [p for p in peers if self.peers.get(p.rank) is p]
+        if not peers:
+            time.sleep(min(timeout, 0.05))
+            return []
+        deadline = time.monotonic() + timeout
+        socks = [p.sock for p in peers]
+        last_sock_check = 0.0
+        while True:
+            ready = self._device_ready(peers)
+            if ready:
+                now = time.monotonic()
+                for p in peers:
+                    if any(r.rank == p.rank for r in ready):
+                        p.last_seen = now
+                return ready
+            now = time.monotonic()
+            if now - last_sock_check > 0.005:
+                last_sock_check = now
+                self._check_sockets(peers, socks)
+            if now >= deadline:
+                return []
+            time.sleep(20e-6)
+
+    def _check_sockets(self, peers, socks) -> None:
+        try:
+            readable, _, _ = select.select(socks, [], [], 0)
+        except (OSError, ValueError):
+            return
+        for p in peers:
+            if p.sock in readable:
+                ctrl = self._read_control(p)
+                if ctrl is not None and ctrl.type == MSG_STEP:
+                    self._drop(p)
+                    raise AFDPeerError(
+                        f"AFD {p.name} broke the protocol: step control over TCP with "
+                        "the cuda_ipc connector"
+                    )
+            elif time.monotonic() - p.last_seen > self.timeout:
+                self._drop(p)
+                self.poison()
+                raise AFDPeerError(f"lost AFD {p.name}: nothing received for {self.timeout:g} s")
+
+    def _device_ready(self, peers: list[_Peer]) -> list[StepPeer]:
+        with torch.cuda.stream(self._side):
+            self._host.copy_(self.ctrl, non_blocking=True)
+        self._side.synchronize()
+        host = self._host
+        err = int(host[-1, 0])
+        if err:
+            self.poison()
+            raise AFDPeerError(
+                f"an AFD attention rank did not send layer data within "
+                f"timeout_s={self.timeout:g} (message {err})"
+            )
+        ready = []
+        for p in peers:
+            box = self.inboxes[p.rank]
+            flag = int(host[box.row, C_FLAG])
+            if flag <= box.seen or int(host[box.row, C_SEQ]) != flag:
+                continue  # nothing new, or the payload is not visible yet
+            if flag != box.seen + 1:
+                self._drop(p)
+                raise AFDPeerError(
+                    f"AFD {p.name} broke the protocol: control message {flag} after {box.seen}"
+                )
+            box.seen = flag
+            ctrl = Control(MSG_STEP, flag, int(host[box.row, C_TOKENS]),
+                           int(host[box.row, C_FLAGS]))  # fmt: skip
+            if not 0 < ctrl.num_tokens <= self.ctx.max_num_tokens:
+                self._drop(p)
+                raise AFDPeerError(
+                    f"AFD {p.name} broke the protocol: step with {ctrl.num_tokens} tokens "
+                    f"is outside 1..{self.ctx.max_num_tokens}"
+                )
+            box.recv_off = 0
+            ready.append(StepPeer(p.rank, ctrl))
+        return ready
+
+    def poison(self) -> None:
+        """Release every device wait of this rank (its peers are gone)."""
+        try:
+            with torch.cuda.stream(self._side):
+                for box in self.inboxes.values():
+                    self.ctrl[box.row, C_DATA].fill_(POISON)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+    def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
+        box = self.inboxes[peer.rank]
+        r = box.row
+        _wait(self.counters[2 * r], self.ctrl[r, C_DATA:], self.ctrl[-1], self.timeout_ns)
+        out.copy_(_view(box.data, box.recv_off, out))
+        box.recv_off += _align(out.numel() * out.element_size())
+
+    def send(self, peer: StepPeer, y: torch.Tensor) -> None:
+        box = self.inboxes[peer.rank]
+        r = box.row
+        _view(box.outbox, 0, y).copy_(y)
+        _signal(self.counters[2 * r + 1], box.flags[0])
+        box.recv_off = 0
+
+    def close(self) -> None:
+        self.poison()
+        super().close()
+
+
+register_connector("cuda_ipc", IPCAttentionConnector, IPCFFNConnector)
