@@ -11,18 +11,26 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 B=${AFD_BUNDLE_DIR:-/tmp/afd-bundle}
 SITE=${AFD_SITE:-/tmp/afd-site}
 t0=$(date +%s)
-bash "$B/install.sh" "$SITE" > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-echo "install took $(( $(date +%s) - t0 )) s; bundle $(du -cb "$B"/part-* | tail -1 | cut -f1) bytes" \
-  | tee -a "$OUT/install.log"
+if [ -f "$SITE/.afd-installed" ]; then
+  echo "bundle already installed in $SITE (warm machine)" | tee "$OUT/install.log"
+else
+  bash "$B/install.sh" "$SITE" > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+  touch "$SITE/.afd-installed"
+  echo "install took $(( $(date +%s) - t0 )) s; bundle $(du -cb "$B"/part-* | tail -1 | cut -f1) bytes" \
+    | tee -a "$OUT/install.log"
+fi
 export PYTHONPATH=$SITE
 python3 -c "import vllm, importlib.metadata as m; print('import vllm ->', vllm.__version__, '| dist', m.version('vllm'))" 2>&1 \
   | tail -1 | tee "$OUT/version.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/version.log"
 rm -rf /tmp/afd-gpu-pt
+# GPU_TESTS: pytest selection (default: all GPU tests); LOG: name of this run's log files.
+LOG=${LOG:-gpu_tests}
+# shellcheck disable=SC2086
 AFD_MODELS_DIR=$PWD/build/models timeout "${GPU_TEST_TIMEOUT:-480}" \
-  python3 -m pytest -m gpu tests/gpu -v -s -p no:cacheprovider --basetemp=/tmp/afd-gpu-pt \
-  > "$OUT/gpu_tests.log" 2>&1
+  python3 -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -s -p no:cacheprovider \
+  --basetemp=/tmp/afd-gpu-pt-$LOG > "$OUT/$LOG.log" 2>&1
 rc=$?
-tail -25 "$OUT/gpu_tests.log"
-tar czf "$OUT/engine_logs.tgz" -C /tmp afd-gpu-pt 2>/dev/null
+grep -E "^ORACLE|PASSED|FAILED|ERROR|passed|failed" "$OUT/$LOG.log" | tail -40
+tar czf "$OUT/$LOG-engine-logs.tgz" -C /tmp "afd-gpu-pt-$LOG" 2>/dev/null
 exit $rc

@@ -127,7 +127,8 @@ def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None) ->
     model = MODELS_DIR / name
     prompts = oracle.write_prompts(tmp_path)
     port = oracle.free_port(3)
-    kw = dict(connector=connector, **(extra or {}))
+    # Device waits give up after timeout_s: keep a broken run short.
+    kw = dict(connector=connector, timeout_s=30, **(extra or {}))
     ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **kw)],
                 model, tmp_path / "ffn.log", ffn_gpu, procs)
     attn = _proc(["attention", "--afd", oracle.afd_json("attention", port, **kw),
