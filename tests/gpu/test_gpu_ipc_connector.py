@@ -78,17 +78,20 @@ def _reference(x: torch.Tensor) -> torch.Tensor:
 
 class _Pair:
     def __init__(self, stall_after: int = 1 << 30):
+        from vllm.distributed.afd.base import create_attention_connector
+
+        # Everything slow first (imports, CUDA start): the FFN process waits
+        # only timeout_s for this side.
+        torch.zeros(1, device="cuda")
         port = _free_port()
+        self.conn = create_attention_connector(_ctx("attention", port))
+        self.failures: list[tuple[float, str]] = []
+        self.conn.on_failure = lambda msg: self.failures.append((time.monotonic(), msg))
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
         self.ffn = ctx.Process(target=_ffn_main, args=(port, stall_after, ready), daemon=True)
         self.ffn.start()
         assert ready.wait(120), "FFN process did not start"
-        from vllm.distributed.afd.base import create_attention_connector
-
-        self.conn = create_attention_connector(_ctx("attention", port))
-        self.failures: list[tuple[float, str]] = []
-        self.conn.on_failure = lambda msg: self.failures.append((time.monotonic(), msg))
         self.conn.connect()
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
