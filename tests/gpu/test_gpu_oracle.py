@@ -35,6 +35,7 @@ _spec = importlib.util.spec_from_file_location(
 )
 oracle = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(oracle)
+import oracle_lib  # noqa: E402  (tests/cpu, on sys.path above)
 
 BF16_TOL = 0.05
 MODELS_DIR = Path(os.environ.get("AFD_MODELS_DIR", HERE.parents[1] / "build" / "models"))
@@ -84,6 +85,14 @@ def _compare(plain: dict, afd: dict) -> float:
                 worst = max(worst, abs(lp - lb[tok]))
     assert worst <= BF16_TOL, worst
     return worst
+
+
+# With torch.compile the plain model's FFN is fused by Inductor while the FFN
+# rank runs vLLM's eager kernels, so the two are not bitwise equal: logits may
+# differ by a bf16 ulp (0.0625 at magnitudes 8-16). Measured 2026-12-01 on one
+# H200 (qwen3_moe, 10 prompts): max |logprob diff| 0.063; greedy tokens
+# diverged only where plain vLLM's top two logprobs were tied (margin 0.0).
+COMPILE_TOL = 0.1
 
 
 START = 300
@@ -166,9 +175,9 @@ def test_gpu_oracle_compiled_graphs(name, tmp_path, procs):
     """torch.compile + FULL_DECODE_ONLY: the remote-FFN op stays opaque."""
     plain = _plain(name, "compiled-graphs", "v1", tmp_path / "plain", procs)
     afd = _afd(name, "cuda_ipc", 0, "compiled-graphs", "v1", tmp_path, procs)
-    worst = _compare(plain, afd)
-    print(f"ORACLE {name} cuda_ipc compiled-graphs runner=v1: tokens identical, "
-          f"max |logprob diff| {worst:.3g}")
+    worst, ties = oracle_lib.assert_outputs_match_up_to_ties(plain, afd, COMPILE_TOL)
+    print(f"ORACLE {name} cuda_ipc compiled-graphs runner=v1: tokens identical up to ties "
+          f"({ties} prompts took a tie differently), max |logprob diff| {worst:.3g}")
 
 
 def test_gpu_oracle_router_on_attention(tmp_path, procs):

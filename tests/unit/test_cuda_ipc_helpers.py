@@ -1,0 +1,74 @@
+"""cuda_ipc connector pieces that need no GPU: inbox sizing and bounds, the
+buffer descriptions it exchanges, and its refusal to run off CUDA. The device
+path itself runs in tests/gpu/test_gpu_ipc_connector.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ipc = pytest.importorskip("vllm.distributed.afd.cuda_ipc")
+
+from vllm.afd.protocol import AFDProtocolError, parse_hello  # noqa: E402
+from vllm.config.afd import AFDConfig  # noqa: E402
+from vllm.distributed.afd.base import (  # noqa: E402
+    ConnectorContext,
+    create_attention_connector,
+    create_ffn_connector,
+)
+
+
+def _ctx(role="ffn", gate=False, logits=None, device="cpu", tokens=64):
+    cfg = AFDConfig.from_dict(
+        {"role": role, "connector": "cuda_ipc", "compute_gate_on_attention": gate}
+    )
+    fp = {"hidden_size": 100, "dtype": "bfloat16"}
+    return ConnectorContext(cfg, 0, fp, tokens, torch.device(device), num_router_logits=logits)
+
+
+def test_registered_under_its_name_and_alias():
+    for name in ("cuda_ipc", "ipc"):
+        cfg = AFDConfig.from_dict({"role": "ffn", "connector": name})
+        ctx = ConnectorContext(cfg, 0, {}, 8, torch.device("cpu"))
+        assert isinstance(create_ffn_connector(ctx), ipc.IPCFFNConnector)
+        ctx.config = AFDConfig.from_dict({"role": "attention", "connector": name})
+        assert isinstance(create_attention_connector(ctx), ipc.IPCAttentionConnector)
+    assert ipc.IPCAttentionConnector.graph_capable and ipc.IPCFFNConnector.graph_capable
+
+
+def test_inbox_holds_hidden_states_and_router_logits_of_the_largest_step():
+    plain = ipc.message_bytes(_ctx())
+    assert plain >= 64 * 100 * 2 and plain % ipc.ALIGN == 0
+    gated = ipc.message_bytes(_ctx(gate=True, logits=60))
+    assert gated >= 64 * (100 * 2 + 60 * 4)
+    # Both messages of one gated layer fit, each at an aligned offset.
+    assert ipc._align(64 * 100 * 2) + 64 * 60 * 4 <= gated
+
+
+def test_view_refuses_a_message_past_the_inbox():
+    buf = torch.zeros(1024, dtype=torch.uint8)
+    x = torch.ones((4, 64), dtype=torch.bfloat16)  # 512 bytes
+    v = ipc._view(buf, 512, x)
+    assert v.shape == x.shape and v.dtype == x.dtype
+    with pytest.raises(AFDProtocolError, match="exceeds the inbox"):
+        ipc._view(buf, 768, x)
+
+
+def test_buffer_descriptions_travel_as_flat_scalar_hellos():
+    desc = {"a": {"handle": "00ff", "numel": 3}, "status": "ok", "row": 1}
+    flat = ipc._flat(desc)
+    assert parse_hello(__import__("json").dumps(flat).encode()) == flat  # scalars only
+    assert ipc._sub(flat, "a") == {"handle": "00ff", "numel": 3}
+    with pytest.raises(AFDProtocolError, match="bad CUDA IPC buffer description"):
+        ipc.import_buffer({"handle": "zz"})
+
+
+@pytest.mark.parametrize("role", ["ffn", "attention"])
+def test_refuses_a_cpu_device(role):
+    ctx = _ctx(role=role)
+    if role == "ffn":
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            create_ffn_connector(ctx).start()
+    else:
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            create_attention_connector(ctx)._setup_device()
