@@ -2,9 +2,11 @@
 
     # CPU, tiny checkpoint, model routing and balanced routing:
     .venv/bin/python benchmarks/decode.py --model build/models/qwen3_moe --routing both
-    # GPU host, real shapes with dummy weights (config dir of DeepSeek-V2-Lite):
+    # GPU host, real shapes with dummy weights (config dir of DeepSeek-V2-Lite), AFD on
+    # GPUs 0+1 with the device-only connector and FULL decode graphs, batch sweep:
     python benchmarks/decode.py --model CONFIG_DIR --load-format dummy --device cuda \\
-        --dtype bfloat16 --batch 64 --input-len 256 --output-len 128 --connector gloo
+        --dtype bfloat16 --batches 16,64,256 --input-len 64 --output-len 256 \\
+        --connector cuda_ipc --compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'
 
 Per configuration (plain, then AFD; for each routing asked for) one engine generates
 ``--batch`` requests of ``--input-len`` random prompt tokens twice: with 1 output token
@@ -44,7 +46,7 @@ def engine_kwargs(a) -> dict:
     kw = dict(
         model=a.model,
         dtype=a.dtype,
-        enforce_eager=not a.compile,
+        enforce_eager=not (a.compile or a.compilation_config),
         max_model_len=a.input_len + a.output_len + 8,
         max_num_seqs=a.batch,
         max_num_batched_tokens=max(a.batch * a.input_len, 512),
@@ -56,6 +58,8 @@ def engine_kwargs(a) -> dict:
         kw["gpu_memory_utilization"] = a.gpu_memory_utilization
     if a.afd:
         kw["afd_config"] = json.loads(a.afd)
+    if a.compilation_config:
+        kw["compilation_config"] = json.loads(a.compilation_config)
     return kw
 
 
@@ -122,7 +126,7 @@ def tail(path: Path, n: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
-def measure(a, base_args: list[str], afd: bool, routing: str, work: Path) -> dict:
+def measure(a, base_args: list[str], afd: bool, routing: str, work: Path, batch: int) -> dict:
     env = dict(os.environ)
     if a.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -131,7 +135,7 @@ def measure(a, base_args: list[str], afd: bool, routing: str, work: Path) -> dic
         env[ROUTING_ENV] = "afd_balanced"
     else:
         env.pop(ROUTING_ENV, None)
-    tag = f"{'afd' if afd else 'plain'}_{routing}"
+    tag = f"{'afd' if afd else 'plain'}_{routing}_b{batch}"
     out = work / f"{tag}.json"
     ffn = None
     args = [*base_args, "--out", str(out)]
@@ -140,10 +144,18 @@ def measure(a, base_args: list[str], afd: bool, routing: str, work: Path) -> dic
             port = free_port()
             cfg = {"connector": a.connector, "host": "127.0.0.1", "port": port,
                    "timeout_s": 300}
+            if a.connector_extra:
+                cfg["connector_extra_config"] = json.loads(a.connector_extra)
             ffn_env = dict(env)
             if a.device == "cuda":
-                ffn_env["CUDA_VISIBLE_DEVICES"] = a.ffn_gpu
-                env["CUDA_VISIBLE_DEVICES"] = a.attention_gpu
+                att, ffn_gpu = a.attention_gpu, a.ffn_gpu
+                if a.connector in ("cuda_ipc", "ipc") and att != ffn_gpu:
+                    # Each side must see the other's GPU; its own comes first (device 0).
+                    ffn_env["CUDA_VISIBLE_DEVICES"] = f"{ffn_gpu},{att}"
+                    env["CUDA_VISIBLE_DEVICES"] = f"{att},{ffn_gpu}"
+                else:
+                    ffn_env["CUDA_VISIBLE_DEVICES"] = ffn_gpu
+                    env["CUDA_VISIBLE_DEVICES"] = att
             ffn = child(a, "ffn", [*base_args, "--afd", json.dumps({"role": "ffn", **cfg})],
                         ffn_env, work / f"{tag}_ffn.log")
             args += ["--afd", json.dumps({"role": "attention", **cfg})]
@@ -178,12 +190,15 @@ def main() -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--connector", default="gloo")
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batches", help="comma list of batch sizes to sweep (overrides --batch)")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="best of N timings")
     p.add_argument("--routing", choices=["model", "balanced", "both"], default="model")
     p.add_argument("--modes", default="plain,afd", help="comma list of plain, afd")
     p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
+    p.add_argument("--compilation-config", help="JSON for LLM(compilation_config=...); not eager")
+    p.add_argument("--connector-extra", help="JSON connector_extra_config for both AFD roles")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--attention-gpu", default="0")
     p.add_argument("--ffn-gpu", default="1", help="GPU of the FFN rank ('0' to share one)")
@@ -200,38 +215,52 @@ def main() -> int:
     if a._role == "ffn":
         return run_ffn(a)
 
-    base = ["--model", a.model, "--load-format", a.load_format, "--dtype", a.dtype,
-            "--batch", str(a.batch), "--input-len", str(a.input_len),
-            "--output-len", str(a.output_len), "--repeats", str(a.repeats)]
+    batches = [int(b) for b in a.batches.split(",")] if a.batches else [a.batch]
+    if any(b < 1 for b in batches):
+        p.error("batch sizes must be positive")
+    common = ["--model", a.model, "--load-format", a.load_format, "--dtype", a.dtype,
+              "--input-len", str(a.input_len),
+              "--output-len", str(a.output_len), "--repeats", str(a.repeats)]
     if a.compile:
-        base.append("--compile")
+        common.append("--compile")
+    if a.compilation_config:
+        common += ["--compilation-config", a.compilation_config]
     if a.gpu_memory_utilization:
-        base += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+        common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     routings = ["model", "balanced"] if a.routing == "both" else [a.routing]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = set(modes) - {"plain", "afd"}
     if bad:
         p.error(f"unknown mode(s) {sorted(bad)}")
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"device {a.device}; model {a.model} ({a.load_format}, {a.dtype}); batch {a.batch}, "
-          f"input {a.input_len}, output {a.output_len}; connector {a.connector}", flush=True)
+          f"device {a.device}; model {a.model} ({a.load_format}, {a.dtype}); batches {batches}, "
+          f"input {a.input_len}, output {a.output_len}; connector {a.connector}; "
+          f"compilation {a.compilation_config or ('compile' if a.compile else 'eager')}",
+          flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="afd-decode-") as tmp:
+        for batch in batches:
+            base = [*common, "--batch", str(batch)]
+            for routing in routings:
+                for mode in modes:
+                    t0 = time.perf_counter()
+                    r = measure(a, base, mode == "afd", routing, Path(tmp), batch)
+                    r.update(mode=mode, routing=routing, batch=batch,
+                             wall_s=time.perf_counter() - t0)
+                    results.append(r)
+                    print(f"  batch {batch:4d} {mode:5s} routing={routing:8s} "
+                          f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  decode {batch / r['tpot_s']:9.1f} "
+                          f"tok/s  prefill {r['prefill_s']:.3f} s  ({r['wall_s']:.0f} s)",
+                          flush=True)
+    print("\nbatch routing    plain TPOT   AFD TPOT   AFD/plain   plain tok/s   AFD tok/s")
+    for batch in batches:
         for routing in routings:
-            for mode in modes:
-                t0 = time.perf_counter()
-                r = measure(a, base, mode == "afd", routing, Path(tmp))
-                r.update(mode=mode, routing=routing, wall_s=time.perf_counter() - t0)
-                results.append(r)
-                print(f"  {mode:5s} routing={routing:8s} TPOT {r['tpot_s'] * 1e3:8.2f} ms  "
-                      f"decode {a.batch / r['tpot_s']:9.1f} tok/s  prefill {r['prefill_s']:.3f} s"
-                      f"  ({r['wall_s']:.0f} s)", flush=True)
-    print("\nrouting    plain TPOT   AFD TPOT   AFD/plain")
-    for routing in routings:
-        by = {r["mode"]: r for r in results if r["routing"] == routing}
-        if {"plain", "afd"} <= set(by):
-            pl, af = by["plain"]["tpot_s"], by["afd"]["tpot_s"]
-            print(f"{routing:9s} {pl * 1e3:8.2f} ms {af * 1e3:8.2f} ms   {af / pl:6.2f}x")
+            by = {r["mode"]: r for r in results
+                  if r["routing"] == routing and r["batch"] == batch}
+            if {"plain", "afd"} <= set(by):
+                pl, af = by["plain"]["tpot_s"], by["afd"]["tpot_s"]
+                print(f"{batch:5d} {routing:9s} {pl * 1e3:8.2f} ms {af * 1e3:8.2f} ms   "
+                      f"{af / pl:6.2f}x   {batch / pl:11.1f} {batch / af:11.1f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     return 0
