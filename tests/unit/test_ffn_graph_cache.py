@@ -1,0 +1,95 @@
+"""The FFN rank's CUDA-graph cache policy (vllm.afd.ffn_runner), without a GPU: which
+steps are captured, replayed or run eager, and when the cache is dropped. The capture
+itself is replaced by a recorder; the GPU oracle covers real graphs."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ffn_runner = pytest.importorskip("vllm.afd.ffn_runner")
+
+from vllm.afd.protocol import MSG_STEP, Control  # noqa: E402
+from vllm.distributed.afd.base import StepPeer  # noqa: E402
+
+
+class _Graph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+class _Runner(ffn_runner.FFNModelRunner):
+    def __init__(self, max_tokens=16, max_count=2):
+        # Only what the cache policy reads (no model, no connector start).
+        self.graphs_enabled = True
+        self.graph_max_tokens = max_tokens
+        self.graph_max_count = max_count
+        self.graphs, self._graph_seen, self._graph_gen = {}, {}, -1
+        self.graph_replays = self.steps_served = self.batched_steps = 0
+        self.connector = type("C", (), {"generation": 0})()
+        self.dtype, self.hidden_size, self.modules, self.gates = torch.float32, 4, {0: None}, {}
+        self.eager, self.captured = [], []
+
+    def _step_body(self, ready, capture):
+        self.eager.append(tuple((p.rank, p.control.num_tokens) for p in ready))
+        return 0.0, 0.0, 0, 0
+
+    def _capture(self, key, ready):
+        self.captured.append(key)
+        self.graphs[key] = _Graph()
+
+
+def _step(*pairs):
+    return [StepPeer(r, Control(MSG_STEP, 1, n)) for r, n in pairs]
+
+
+def test_a_step_is_captured_the_second_time_and_replayed_after():
+    r = _Runner()
+    for _ in range(2):
+        r._run_step(_step((0, 4)))
+    assert r.eager == [((0, 4),)] * 2 and r.captured == [((0, 4),)]
+    for _ in range(3):
+        r._run_step(_step((0, 4)))
+    assert len(r.eager) == 2 and r.graphs[((0, 4),)].replays == 3 and r.graph_replays == 3
+    assert r.steps_served == 5
+
+
+def test_key_is_the_ranks_and_their_token_counts():
+    r = _Runner()
+    for pairs in [((0, 4),), ((0, 4), (1, 4)), ((1, 4),), ((0, 4), (1, 4))]:
+        r._run_step(_step(*pairs))
+    assert r.captured == [((0, 4), (1, 4))]
+    assert r.batched_steps == 2
+
+
+def test_large_steps_and_a_full_cache_stay_eager():
+    r = _Runner(max_tokens=16, max_count=1)
+    for _ in range(3):
+        r._run_step(_step((0, 17)))  # above graph_max_tokens
+    r._run_step(_step((0, 2)))
+    r._run_step(_step((0, 2)))  # captured: the one slot
+    for _ in range(3):
+        r._run_step(_step((0, 3)))  # cache full
+    assert r.captured == [((0, 2),)]
+    assert r.eager.count(((0, 17),)) == 3 and r.eager.count(((0, 3),)) == 3
+
+
+def test_a_rejoined_rank_drops_the_graphs():
+    r = _Runner()
+    for _ in range(3):
+        r._run_step(_step((0, 4)))
+    assert r.graph_replays == 1
+    r.connector.generation += 1  # the attention rank reconnected: its buffers moved
+    r._run_step(_step((0, 4)))
+    assert r.graphs == {} and r.eager[-1] == ((0, 4),) and r.graph_replays == 1
+
+
+def test_disabled_cache_never_captures():
+    r = _Runner()
+    r.graphs_enabled = False
+    for _ in range(4):
+        r._run_step(_step((0, 4)))
+    assert r.captured == [] and len(r.eager) == 4
