@@ -32,6 +32,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.connector = type("C", (), {"generation": 0})()
         self.dtype, self.hidden_size, self.modules, self.gates = torch.float32, 4, {0: None}, {}
         self.eager, self.captured = [], []
+        self.profiler = None
 
     def _step_body(self, ready, capture):
         self.eager.append(tuple((p.rank, p.control.num_tokens) for p in ready))
@@ -93,3 +94,14 @@ def test_disabled_cache_never_captures():
     for _ in range(4):
         r._run_step(_step((0, 4)))
     assert r.captured == [] and len(r.eager) == 4
+
+
+def test_no_capture_while_profiling():
+    r = _Runner()
+    r.profiler = object()
+    for _ in range(3):
+        r._run_step(_step((0, 4)))
+    assert r.captured == []
+    r.profiler = None
+    r._run_step(_step((0, 4)))
+    assert r.captured == [((0, 4),)]

@@ -252,6 +252,7 @@ class FFNModelRunner:
                 seen >= 2
                 and total <= self.graph_max_tokens
                 and len(self.graphs) < self.graph_max_count
+                and self.profiler is None  # no capture while the torch profiler records
             ):
                 self._capture(key, ready)
 
