@@ -412,14 +412,8 @@ class IPCFFNConnector(TCPFFNConnector):
         except Exception as e:  # noqa: BLE001 - answered, then the peer is refused
             _send_all(sock, pack_hello({"status": f"cannot map buffers: {e}"}), 5.0, addr)
             raise
-        mine = _flat({
-            "status": "ok",
-            "row": box.row,
-            "ctrl": export_buffer(self.ctrl.view(-1).view(torch.uint8)),
-            "inbox": export_buffer(box.data),
-        })  # fmt: skip
-        _send_all(sock, pack_hello(mine), 5.0, addr)
-        # A new session of this rank: the device counters start again.
+        # A new session of this rank: the device counters start again - before
+        # the reply, after which the rank may write its first control message.
         r = box.row
         self.ctrl[r].zero_()
         self.counters[2 * r : 2 * r + 2].zero_()
@@ -427,6 +421,13 @@ class IPCFFNConnector(TCPFFNConnector):
         box.seen = 0
         box.recv_off = 0
         self.generation += 1
+        mine = _flat({
+            "status": "ok",
+            "row": box.row,
+            "ctrl": export_buffer(self.ctrl.view(-1).view(torch.uint8)),
+            "inbox": export_buffer(box.data),
+        })  # fmt: skip
+        _send_all(sock, pack_hello(mine), 5.0, addr)
 
     # -- serving -------------------------------------------------------------
     def _poll(self, peers: list[_Peer], timeout: float) -> list[StepPeer]:
