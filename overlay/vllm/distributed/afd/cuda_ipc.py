@@ -436,42 +436,38 @@ class IPCFFNConnector(TCPFFNConnector):
             time.sleep(min(timeout, 0.05))
             return []
         deadline = time.monotonic() + timeout
-        socks = [p.sock for p in peers]
         last_sock_check = 0.0
         while True:
             ready = self._device_ready(peers)
             if ready:
                 now = time.monotonic()
+                got = {r.rank for r in ready}
                 for p in peers:
-                    if any(r.rank == p.rank for r in ready):
+                    if p.rank in got:
                         p.last_seen = now
                 return ready
             now = time.monotonic()
             if now - last_sock_check > 0.005:
                 last_sock_check = now
-                self._check_sockets(peers, socks)
+                self._check_sockets(peers)
             if now >= deadline:
                 return []
             time.sleep(20e-6)
 
-    def _check_sockets(self, peers, socks) -> None:
+    def _check_sockets(self, peers: list[_Peer]) -> None:
+        """Heartbeats, goodbyes and profiler requests; steps come by device."""
         try:
-            readable, _, _ = select.select(socks, [], [], 0)
-        except (OSError, ValueError):
-            return
-        for p in peers:
-            if p.sock in readable:
-                ctrl = self._read_control(p)
-                if ctrl is not None and ctrl.type == MSG_STEP:
-                    self._drop(p)
-                    raise AFDPeerError(
-                        f"AFD {p.name} broke the protocol: step control over TCP with "
-                        "the cuda_ipc connector"
-                    )
-            elif time.monotonic() - p.last_seen > self.timeout:
-                self._drop(p)
-                self.poison()
-                raise AFDPeerError(f"lost AFD {p.name}: nothing received for {self.timeout:g} s")
+            steps = self._read_sockets(peers, 0)
+        except AFDPeerError:
+            self.poison()  # a silent peer: release this rank's device waits
+            raise
+        for step in steps:
+            p = next(p for p in peers if p.rank == step.rank)
+            self._drop(p)
+            raise AFDPeerError(
+                f"AFD {p.name} broke the protocol: step control over TCP with the cuda_ipc "
+                "connector"
+            )
 
     def _device_ready(self, peers: list[_Peer]) -> list[StepPeer]:
         with torch.cuda.stream(self._side):

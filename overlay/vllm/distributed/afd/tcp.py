@@ -477,6 +477,11 @@ class TCPFFNConnector(FFNConnector):
         if not peers:
             time.sleep(min(timeout, 0.05))
             return []
+        return self._read_sockets(peers, timeout)
+
+    def _read_sockets(self, peers: list[_Peer], timeout: float) -> list[StepPeer]:
+        """Control messages waiting on the peers' sockets (up to ``timeout``);
+        raises for a peer silent for timeout_s."""
         try:
             readable, _, _ = select.select([p.sock for p in peers], [], [], timeout)
         except (OSError, ValueError):  # a socket closed under us: look again next time
