@@ -76,15 +76,7 @@ def _proc(args, model, log, gpu, procs, runner=None):
 
 
 def _compare(plain: dict, afd: dict) -> float:
-    worst = 0.0
-    for i, (a, b) in enumerate(zip(plain["outputs"], afd["outputs"])):
-        assert a["token_ids"] == b["token_ids"], f"prompt {i}: tokens differ"
-        for la, lb in zip(a["logprobs"], b["logprobs"]):
-            for tok, lp in la.items():
-                assert tok in lb
-                worst = max(worst, abs(lp - lb[tok]))
-    assert worst <= BF16_TOL, worst
-    return worst
+    return oracle_lib.assert_outputs_match(plain, afd, oracle.PROMPTS["max_tokens"], BF16_TOL)
 
 
 # With torch.compile the plain model's FFN is fused by Inductor while the FFN

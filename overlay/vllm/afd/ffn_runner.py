@@ -241,10 +241,10 @@ class FFNModelRunner:
                     graph.replay()
                 self.graph_replays += 1
                 metrics.STATS.inc("ffn_graph_replays")
-                self._account(ready, *self._step_bytes(ready), None, None)
+                self._account(ready, None, None)
                 return
-        transfer, compute, nbytes_in, nbytes_out = self._step_body(ready, capture=False)
-        self._account(ready, nbytes_in, nbytes_out, compute, transfer)
+        transfer, compute = self._step_body(ready, capture=False)
+        self._account(ready, compute, transfer)
         if self.graphs_enabled:
             seen = self._graph_seen[key] = self._graph_seen.get(key, 0) + 1
             total = sum(c for _, c in key)
@@ -279,6 +279,8 @@ class FFNModelRunner:
         )
 
     def _step_bytes(self, ready) -> tuple[int, int]:
+        """Bytes received and sent by one step (hidden states of every FFN layer,
+        plus float32 router logits of the gated layers)."""
         total = sum(p.control.num_tokens for p in ready)
         elem = torch.empty((), dtype=self.dtype).element_size()
         n = len(self.modules)
@@ -288,8 +290,9 @@ class FFNModelRunner:
             n * total * self.hidden_size * elem,
         )
 
-    def _account(self, ready, nbytes_in, nbytes_out, compute, transfer) -> None:
+    def _account(self, ready, compute, transfer) -> None:
         stats = metrics.STATS
+        nbytes_in, nbytes_out = self._step_bytes(ready)
         self.steps_served += 1
         stats.inc("ffn_steps_served")
         stats.inc("bytes_received", nbytes_in)
@@ -316,7 +319,6 @@ class FFNModelRunner:
         clock = time.perf_counter
         sync = self._sync_timing and not capture
         transfer = compute = 0.0
-        nbytes_in = nbytes_out = 0
         with set_forward_context(None, self.vllm_config, num_tokens=total):
             for layer_idx, module in self.modules.items():
                 t0 = clock()
@@ -347,11 +349,7 @@ class FFNModelRunner:
                     stats.layer(layer_idx, t2 - t1)
                 transfer += (t1 - t0) + (t3 - t2)
                 compute += t2 - t1
-                nbytes_in += x.numel() * x.element_size() + (
-                    0 if logits is None else logits.numel() * 4
-                )
-                nbytes_out += y.numel() * y.element_size()
-        return transfer, compute, nbytes_in, nbytes_out
+        return transfer, compute
 
     def request_profile(self, start: bool) -> None:
         """Start/stop profiling from this FFN server's own profiler controls;
