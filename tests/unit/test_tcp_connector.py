@@ -294,6 +294,55 @@ def test_attention_connect_retries_until_ffn_starts(net):
     wait_until(lambda: 0 in ffn.peers)
 
 
+def _self_connect(port: int) -> socket.socket:
+    """A socket TCP-connected to itself on HOST:port, as the kernel may make when a
+    client's ephemeral source port happens to equal the port it dials."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((HOST, port))
+    s.connect((HOST, port))
+    return s
+
+
+def test_self_connected_detection():
+    port = free_port()
+    s = _self_connect(port)
+    try:
+        assert tcp._self_connected(s)
+    finally:
+        s.close()
+    with socket.socket() as lst:
+        lst.bind((HOST, 0))
+        lst.listen(1)
+        with socket.create_connection(lst.getsockname(), timeout=2) as c:
+            assert not tcp._self_connected(c)
+
+
+def test_attention_self_connect_is_dropped_and_retried(net, monkeypatch):
+    """CI hit this: attention started first, one retry connected to itself, kept the
+    FFN's port (FFN: "Address already in use") and waited on its own hello."""
+    port = free_port()
+    real = socket.create_connection
+    calls = []
+
+    def create_connection(addr, *a, **kw):
+        calls.append(addr)
+        if len(calls) == 1:
+            return _self_connect(addr[1])
+        return real(addr, *a, **kw)
+
+    monkeypatch.setattr(tcp.socket, "create_connection", create_connection)
+    att = net.attention(port, timeout=5.0)
+    bg = Bg(att.connect)
+    wait_until(lambda: len(calls) >= 1, what="first connect attempt")
+    time.sleep(0.3)
+    ffn = net.ffn(port, timeout=5.0)
+    ffn.start()  # the port is free again: the self-connected socket was closed
+    bg.get()
+    wait_until(lambda: 0 in ffn.peers)
+    assert len(calls) >= 2
+
+
 def test_heartbeats_keep_idle_peer_alive(net):
     """Idle for longer than timeout_s: heartbeats keep the FFN from dropping the peer."""
     ffn, att = connected_pair(net, timeout=1.0)

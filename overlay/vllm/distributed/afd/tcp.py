@@ -109,6 +109,14 @@ def _send_all(sock: socket.socket, data, timeout: float, peer: str) -> None:
         raise AFDPeerError(f"lost AFD peer {peer}: {e}") from e
 
 
+def _self_connected(sock: socket.socket) -> bool:
+    """A TCP simultaneous open with itself: source address == destination address."""
+    try:
+        return sock.getsockname() == sock.getpeername()
+    except OSError:
+        return False
+
+
 def _hello_payload(ctx: ConnectorContext, role: str) -> dict:
     payload = dict(ctx.fingerprint)
     payload["role"] = role
@@ -146,6 +154,15 @@ class TCPAttentionConnector(AttentionConnector):
         while True:
             try:
                 sock = socket.create_connection(self.addr, timeout=min(5.0, self.timeout))
+                if _self_connected(sock):
+                    # Nothing listens yet and the kernel picked the FFN's own port as
+                    # this socket's source port (possible when that port lies in the
+                    # ephemeral range): the socket is connected to itself and holds
+                    # the port the FFN rank is about to bind. Free it and retry.
+                    sock.close()
+                    raise ConnectionRefusedError(
+                        "connection to itself (nothing listening on the FFN port yet)"
+                    )
                 break
             except OSError as e:
                 last_err = e
