@@ -36,6 +36,19 @@ def test_registered_under_its_name_and_alias():
     assert ipc.IPCAttentionConnector.graph_capable and ipc.IPCFFNConnector.graph_capable
 
 
+def test_graph_capability_agrees_with_the_config_list():
+    from vllm.config.afd import GRAPH_CAPABLE_CONNECTORS
+    from vllm.distributed.afd import base
+
+    base._ensure_builtin()
+    for name in base._ATTENTION:
+        for cls in (base._ATTENTION[name], base._FFN[name]):
+            assert cls.graph_capable == (name in GRAPH_CAPABLE_CONNECTORS), (name, cls)
+    with pytest.raises(ValueError, match="GRAPH_CAPABLE_CONNECTORS"):
+        base.register_connector("not_listed", ipc.IPCAttentionConnector, ipc.IPCFFNConnector)
+    assert "not_listed" not in base._ATTENTION
+
+
 def test_inbox_holds_hidden_states_and_router_logits_of_the_largest_step():
     plain = ipc.message_bytes(_ctx())
     assert plain >= 64 * 100 * 2 and plain % ipc.ALIGN == 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.afd.protocol import Control
-from vllm.config.afd import AFDConfig
+from vllm.config.afd import GRAPH_CAPABLE_CONNECTORS, AFDConfig
 
 
 @dataclass
@@ -129,6 +129,18 @@ def register_connector(
     attention_cls: Callable[[ConnectorContext], AttentionConnector],
     ffn_cls: Callable[[ConnectorContext], FFNConnector],
 ) -> None:
+    # The config layer (which imports no connector) decides from
+    # GRAPH_CAPABLE_CONNECTORS whether the attention role may keep CUDA graphs; the
+    # FFN runner reads the classes' graph_capable. Refuse a registration where the
+    # two disagree instead of letting one side capture graphs the other cannot serve.
+    listed = name in GRAPH_CAPABLE_CONNECTORS
+    for cls in (attention_cls, ffn_cls):
+        if bool(getattr(cls, "graph_capable", False)) != listed:
+            raise ValueError(
+                f"AFD connector {name!r}: {getattr(cls, '__name__', cls)}.graph_capable="
+                f"{bool(getattr(cls, 'graph_capable', False))} but {name!r} is "
+                f"{'' if listed else 'not '}in vllm.config.afd.GRAPH_CAPABLE_CONNECTORS"
+            )
     _ATTENTION[name] = attention_cls
     _FFN[name] = ffn_cls
 
