@@ -94,11 +94,17 @@ class AttentionClient:
             raise RuntimeError("AFD attention role: the FFN connection is not established")
         x = x.contiguous()
         t0 = time.perf_counter()
+        # DBO: this thread runs micro-batch `ub` of `nub` (see vllm.afd.dbo).
+        ub, nub = _ubatch()
         if layer_idx == self.first:
-            self.step_id += 1
-            self._transfer = self._wait = 0.0
-            self._bytes_out = self._bytes_in = 0
-            conn.begin_step(self.step_id, x.shape[0])
+            if ub == 0:
+                self.step_id += 1
+                self._transfer = self._wait = 0.0
+                self._bytes_out = self._bytes_in = 0
+            if nub:
+                conn.begin_step(self.step_id, x.shape[0], ubatch=(ub, nub))
+            else:
+                conn.begin_step(self.step_id, x.shape[0])
             _install_step_metadata(AFDStepMetadata(self.step_id, x.shape[0]))
         with record_function("afd.send"):
             conn.send(x)
@@ -109,14 +115,20 @@ class AttentionClient:
                 conn.send(logits)
                 sent += logits.numel() * 4
         t1 = time.perf_counter()
+        if nub:
+            # The other micro-batch computes its attention while the FFN rank
+            # serves this one; its turn ends at its own exchange.
+            with record_function("afd.ubatch_yield"):
+                _dbo_yield()
+        t1w = time.perf_counter() if nub else t1
         with record_function("afd.ffn_wait"):
             out = conn.recv(torch.empty_like(x))
         t2 = time.perf_counter()
         self._transfer += t1 - t0
-        self._wait += t2 - t1
+        self._wait += t2 - t1w  # the other micro-batch's turn is not FFN wait
         self._bytes_out += sent
         self._bytes_in += out.numel() * out.element_size()
-        if layer_idx == self.last:
+        if layer_idx == self.last and (not nub or ub == nub - 1):
             conn.end_step()
             # A captured pass only records work (the FFN rank counts replays).
             if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -149,6 +161,21 @@ class AttentionClient:
                 self.connector.close()
             finally:
                 self.connector = None
+
+
+def _ubatch() -> tuple[int, int]:
+    """(index, count) of the micro-batch this thread runs; (0, 0) outside DBO."""
+    from vllm.v1.worker import ubatching
+
+    if not ubatching.dbo_enabled():
+        return 0, 0
+    return ubatching.dbo_current_ubatch_id(), ubatching._NUM_UBATCHES
+
+
+def _dbo_yield() -> None:
+    from vllm.v1.worker.ubatching import dbo_yield
+
+    dbo_yield()
 
 
 def _install_step_metadata(meta: AFDStepMetadata) -> None:

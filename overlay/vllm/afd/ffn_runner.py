@@ -228,6 +228,17 @@ class FFNModelRunner:
                 cb(self.error)
 
     def _run_step(self, ready) -> None:
+        from vllm.afd.protocol import ubatch_of
+
+        # Micro-batched (DBO) steps are served on their own, layer by layer
+        # alternating between the micro-batches; the others share one pass.
+        ubatched = [p for p in ready if ubatch_of(p.control.flags)[1]]
+        if ubatched:
+            for peer in ubatched:
+                self._run_ubatched(peer)
+            ready = [p for p in ready if not ubatch_of(p.control.flags)[1]]
+            if not ready:
+                return
         key = tuple((p.rank, p.control.num_tokens) for p in ready)
         if self.graphs_enabled:
             if self.connector.generation != self._graph_gen:
@@ -290,7 +301,7 @@ class FFNModelRunner:
             n * total * self.hidden_size * elem,
         )
 
-    def _account(self, ready, compute, transfer) -> None:
+    def _account(self, ready, compute, transfer, batched: bool = True) -> None:
         stats = metrics.STATS
         nbytes_in, nbytes_out = self._step_bytes(ready)
         self.steps_served += 1
@@ -300,9 +311,52 @@ class FFNModelRunner:
         if compute is not None:
             stats.observe("ffn_step_compute_seconds", compute)
             stats.observe("ffn_step_transfer_seconds", transfer)
-        if len(ready) > 1:
+        if batched and len(ready) > 1:
             self.batched_steps += 1
             stats.inc("ffn_batched_steps")
+
+    def _run_ubatched(self, first) -> None:
+        """Serve one micro-batched step of one attention rank: for every layer,
+        micro-batch 0, 1, ... in turn (the order the attention's micro-batch
+        threads send in). A later micro-batch's control message arrives just
+        before its first layer's data."""
+        from vllm.afd.protocol import MSG_STEP, AFDPeerError, ubatch_of
+        from vllm.distributed.afd.base import StepPeer
+        from vllm.forward_context import set_forward_context
+
+        index, count = ubatch_of(first.control.flags)
+        if index != 0:
+            raise AFDPeerError(
+                f"AFD attention rank {first.rank} opened a step with micro-batch {index} "
+                f"of {count} (expected 0)"
+            )
+        peers = [first]
+        transfer = compute = 0.0
+        sync = self._sync_timing
+        for layer_idx, module in self.modules.items():
+            for i in range(count):
+                if len(peers) == i:
+                    ctrl = self.connector.recv_control(first)
+                    if (
+                        ctrl.type != MSG_STEP
+                        or ctrl.step_id != first.control.step_id
+                        or ubatch_of(ctrl.flags) != (i, count)
+                    ):
+                        raise AFDPeerError(
+                            f"AFD attention rank {first.rank}: expected micro-batch {i} of "
+                            f"{count} of step {first.control.step_id}, got step "
+                            f"{ctrl.step_id} flags {ctrl.flags:#x}"
+                        )
+                    peers.append(StepPeer(first.rank, ctrl))
+                peer = peers[i]
+                n = peer.control.num_tokens
+                x = torch.empty((n, self.hidden_size), dtype=self.dtype, device=self.device)
+                with set_forward_context(None, self.vllm_config, num_tokens=n):
+                    t, c = self._layer(layer_idx, module, [peer], x, [0, n], sync, False)
+                transfer += t
+                compute += c
+        metrics.STATS.inc("ffn_ubatched_steps")
+        self._account(peers, compute, transfer, batched=False)
 
     def _step_body(self, ready, capture: bool):
         """Receive, compute and send every layer of one step. With
@@ -315,41 +369,47 @@ class FFNModelRunner:
         for c in counts:
             offsets.append(offsets[-1] + c)
         x = torch.empty((total, self.hidden_size), dtype=self.dtype, device=self.device)
-        stats = metrics.STATS
-        clock = time.perf_counter
         sync = self._sync_timing and not capture
         transfer = compute = 0.0
         with set_forward_context(None, self.vllm_config, num_tokens=total):
             for layer_idx, module in self.modules.items():
-                t0 = clock()
-                with record_function("afd.recv"):
-                    for i, peer in enumerate(ready):
-                        self.connector.recv(peer, x[offsets[i] : offsets[i + 1]])
-                    router = self.gates.get(layer_idx)
-                    logits = None
-                    if router is not None:
-                        logits = torch.empty(
-                            (total, router.num_experts), dtype=torch.float32, device=self.device
-                        )
-                        for i, peer in enumerate(ready):
-                            self.connector.recv(peer, logits[offsets[i] : offsets[i + 1]])
-                t1 = clock()
-                with record_function("afd.ffn_compute"):
-                    y = module(x) if router is None else router.forward(module, x, logits)
-                    if sync:
-                        # The TCP connector stages through host memory anyway;
-                        # syncing here only moves the wait into compute time.
-                        torch.cuda.current_stream().synchronize()
-                t2 = clock()
-                with record_function("afd.send"):
-                    for i, peer in enumerate(ready):
-                        self.connector.send(peer, y[offsets[i] : offsets[i + 1]])
-                t3 = clock()
-                if not capture:
-                    stats.layer(layer_idx, t2 - t1)
-                transfer += (t1 - t0) + (t3 - t2)
-                compute += t2 - t1
+                t, c = self._layer(layer_idx, module, ready, x, offsets, sync, capture)
+                transfer += t
+                compute += c
         return transfer, compute
+
+    def _layer(self, layer_idx, module, ready, x, offsets, sync: bool, capture: bool):
+        """One layer for the step peers `ready` (rows offsets[i]:offsets[i+1] of
+        x are peer i's): receive, run the block, send. Returns (transfer, compute)."""
+        clock = time.perf_counter
+        total = x.shape[0]
+        t0 = clock()
+        with record_function("afd.recv"):
+            for i, peer in enumerate(ready):
+                self.connector.recv(peer, x[offsets[i] : offsets[i + 1]])
+            router = self.gates.get(layer_idx)
+            logits = None
+            if router is not None:
+                logits = torch.empty(
+                    (total, router.num_experts), dtype=torch.float32, device=self.device
+                )
+                for i, peer in enumerate(ready):
+                    self.connector.recv(peer, logits[offsets[i] : offsets[i + 1]])
+        t1 = clock()
+        with record_function("afd.ffn_compute"):
+            y = module(x) if router is None else router.forward(module, x, logits)
+            if sync:
+                # The TCP connector stages through host memory anyway;
+                # syncing here only moves the wait into compute time.
+                torch.cuda.current_stream().synchronize()
+        t2 = clock()
+        with record_function("afd.send"):
+            for i, peer in enumerate(ready):
+                self.connector.send(peer, y[offsets[i] : offsets[i + 1]])
+        t3 = clock()
+        if not capture:
+            metrics.STATS.layer(layer_idx, t2 - t1)
+        return (t1 - t0) + (t3 - t2), t2 - t1
 
     def request_profile(self, start: bool) -> None:
         """Start/stop profiling from this FFN server's own profiler controls;

@@ -71,11 +71,13 @@ COUNTERS = {
     "ffn_batched_steps": "AFD steps that served several attention ranks in one pass.",
     "ffn_idle_seconds": "Seconds the FFN serve loop waited with no step to run.",
     "ffn_graph_replays": "AFD steps the FFN rank served by replaying one of its CUDA graphs.",
+    "ffn_ubatched_steps": "AFD steps served as micro-batches (DBO on the attention rank).",
 }
 ATTENTION_COUNTERS = ("steps", "layer_exchanges", "bytes_sent", "bytes_received",
                       "handshake_failures")
 FFN_COUNTERS = ("ffn_steps_served", "ffn_batched_steps", "ffn_idle_seconds", "bytes_sent",
-                "bytes_received", "handshake_failures", "ffn_graph_replays")
+                "bytes_received", "handshake_failures", "ffn_graph_replays",
+                "ffn_ubatched_steps")
 ATTENTION_HISTOGRAMS = ("step_transfer_seconds", "step_ffn_wait_seconds")
 FFN_HISTOGRAMS = ("ffn_step_compute_seconds", "ffn_step_transfer_seconds")
 LAYER_COUNTERS = {

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 HELLO_MAGIC = b"AFDH"
 HELLO_PREAMBLE = struct.Struct("<4sI")
 MAX_HELLO_BYTES = 64 * 1024
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: micro-batched (DBO) steps
 
 # magic, type, step id, number of tokens, flags, reserved
 CONTROL = struct.Struct("<4sIQIII")
@@ -29,6 +29,24 @@ MSG_STEP = 1
 MSG_HEARTBEAT = 2
 MSG_GOODBYE = 3
 MSG_PROFILE = 4  # flags: 1 = start the FFN rank's profiler, 0 = stop it
+# MSG_STEP flags: the micro-batch (DBO) a step-control message opens - bits 0-7
+# its index, bits 8-15 the number of micro-batches of the step (0: the step is
+# not micro-batched). The micro-batches of one step share its step id; the FFN
+# rank serves them alternately, layer by layer, in index order.
+MAX_UBATCHES = 8
+
+
+def ubatch_flags(index: int, count: int) -> int:
+    if not 2 <= count <= MAX_UBATCHES or not 0 <= index < count:
+        raise ValueError(f"micro-batch {index} of {count} is outside 2..{MAX_UBATCHES}")
+    return count << 8 | index
+
+
+def ubatch_of(flags: int) -> tuple[int, int]:
+    """(index, count) of a step-control message; (0, 0) when not micro-batched."""
+    return flags & 0xFF, (flags >> 8) & 0xFF
+
+
 MSG_TYPES = {
     MSG_STEP: "step",
     MSG_HEARTBEAT: "heartbeat",
@@ -86,6 +104,10 @@ class Control:
             raise AFDProtocolError(
                 f"step with {num_tokens} tokens is outside 1..{max_num_tokens}"
             )
+        if mtype == MSG_STEP:
+            index, count = ubatch_of(flags)
+            if flags >> 16 or (count or index) and not (2 <= count <= MAX_UBATCHES and index < count):
+                raise AFDProtocolError(f"step with bad micro-batch flags {flags:#x}")
         return cls(mtype, step_id, num_tokens, flags)
 
 

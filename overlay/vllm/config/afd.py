@@ -37,6 +37,9 @@ CONNECTOR_ALIASES = {
 # graph. With any other connector the attention role on a GPU runs eager.
 GRAPH_CAPABLE_CONNECTORS = ("cuda_ipc",)
 
+# Connectors whose FFN side serves micro-batched (DBO) steps.
+DBO_CONNECTORS = ("gloo",)
+
 # The largest FFN ranks count the NCCL connector serves in this release
 # (M:N with several FFN ranks needs expert parallelism between them).
 NCCL_MAX_FFN_RANKS = 1
@@ -220,6 +223,8 @@ class AFDConfig:
         model_config = getattr(vllm_config, "model_config", None)
         device_config = getattr(vllm_config, "device_config", None)
         device_type = getattr(device_config, "device_type", "cpu")
+        if self.is_attention and parallel is not None and getattr(parallel, "enable_dbo", False):
+            self._verify_dbo(parallel, device_type)
         if self.connector in GRAPH_CAPABLE_CONNECTORS and device_type != "cuda":
             raise AFDConfigError(
                 f"AFD: connector {self.connector!r} moves activations between CUDA devices of "
@@ -244,6 +249,26 @@ class AFDConfig:
                 self.connector,
             )
             model_config.enforce_eager = True
+
+    def _verify_dbo(self, parallel: Any, device_type: str) -> None:
+        """DBO on the attention role: micro-batches at data-parallel size 1,
+        served by a connector that knows micro-batched steps."""
+        dp = getattr(parallel, "data_parallel_size", 1)
+        if dp != 1:
+            raise AFDConfigError(
+                f"AFD: --enable-dbo on the attention role needs data_parallel_size 1 "
+                f"(got {dp}); run one attention server per attention rank instead"
+            )
+        if self.connector not in DBO_CONNECTORS:
+            raise AFDConfigError(
+                f"AFD: --enable-dbo is not supported with connector {self.connector!r} yet "
+                f"(supported: {', '.join(DBO_CONNECTORS)}); drop --enable-dbo"
+            )
+        if device_type != "cpu":
+            raise AFDConfigError(
+                f"AFD: --enable-dbo on {device_type!r} is not supported yet (this release "
+                "runs AFD micro-batches on the CPU); drop --enable-dbo"
+            )
 
     # ---------------------------------------------------------------- derived
     @property

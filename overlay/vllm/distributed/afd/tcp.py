@@ -35,6 +35,7 @@ from vllm.afd.protocol import (
     fingerprint_mismatch,
     pack_hello,
     parse_hello,
+    ubatch_flags,
     unpack_hello_preamble,
 )
 from vllm.distributed.afd.base import (
@@ -219,11 +220,15 @@ class TCPAttentionConnector(AttentionConnector):
         return self.sock
 
     # -- per step ----------------------------------------------------------
-    def begin_step(self, step_id: int, num_tokens: int) -> None:
+    def begin_step(
+        self, step_id: int, num_tokens: int, ubatch: tuple[int, int] | None = None
+    ) -> None:
+        """``ubatch``: (index, count) when this opens one micro-batch of a DBO step."""
+        flags = ubatch_flags(*ubatch) if ubatch is not None else 0
         with self._lock:
             sock = self._check()
             self._in_step = True
-            self._send(sock, Control(MSG_STEP, step_id, num_tokens).pack())
+            self._send(sock, Control(MSG_STEP, step_id, num_tokens, flags).pack())
 
     def _send(self, sock, data) -> None:
         try:
@@ -534,6 +539,19 @@ class TCPFFNConnector(FFNConnector):
                 self._profile_requests.append(bool(ctrl.flags))
             return None
         return ctrl
+
+    def recv_control(self, peer: StepPeer) -> Control:
+        """The next step-control message of this peer, within timeout_s (a later
+        micro-batch of the step being served)."""
+        p = self._peer(peer)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            ctrl = self._read_control(p)
+            if ctrl is not None:
+                return ctrl
+            if self.peers.get(p.rank) is not p:
+                break
+        raise AFDPeerError(f"lost AFD {p.name} during a micro-batched step")
 
     def take_profile_requests(self) -> list[bool]:
         with self._lock:

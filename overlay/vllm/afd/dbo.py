@@ -1,0 +1,218 @@
+# SPDX-License-Identifier: Apache-2.0
+"""DBO (``--enable-dbo``, two micro-batches) for the AFD attention role at
+data-parallel size 1.
+
+vLLM splits a step into micro-batches only when data parallelism coordinates
+it (and only with a DeepEP / NIXL all-to-all); the attention role of AFD has
+no MoE layer of its own - the remote-FFN op replaces the all-to-all - so here
+the split is decided locally (:func:`should_ubatch`) and the micro-batches run
+in two threads that hand over at the remote-FFN op: micro-batch 0 sends a
+layer's FFN input and yields, micro-batch 1 computes its attention for that
+layer meanwhile, sends and yields back, and so on. The FFN rank therefore
+serves the two micro-batches alternately, layer by layer (see
+``vllm.afd.ffn_runner``), while the attention computes the other one.
+
+On CUDA vLLM's own ``UBatchWrapper`` runs the threads (streams, graphs); the
+CPU has no streams, so :class:`CPUUBatchWrapper` runs them with the same
+hand-over (vLLM's ``UBatchContext`` with the stream work left out).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+def enabled(vllm_config: Any) -> bool:
+    """DBO requested on an AFD attention role (any device)."""
+    cfg = getattr(vllm_config, "afd_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return (
+        cfg is not None
+        and cfg.is_attention
+        and parallel is not None
+        and bool(getattr(parallel, "enable_dbo", False))
+    )
+
+
+def replaces_all2all(vllm_config: Any) -> bool:
+    """True when micro-batching needs no all-to-all backend: the AFD attention
+    role has no MoE layer (the FFN rank runs them)."""
+    return enabled(vllm_config)
+
+
+def should_ubatch(parallel_config: Any, num_tokens: int, uniform_decode: bool, allow: bool) -> bool:
+    """The split decision that data-parallel coordination makes in vLLM, for one
+    rank: at least the DBO token threshold, and no empty last micro-batch."""
+    from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
+
+    if not allow or num_tokens < parallel_config.num_ubatches:
+        return False
+    return check_ubatch_thresholds(parallel_config, num_tokens, uniform_decode)
+
+
+def maybe_wrap(model: Any, vllm_config: Any, device: torch.device) -> Any:
+    """The CPU model runner's model, wrapped for micro-batched steps when DBO is on."""
+    if not enabled(vllm_config) or device.type != "cpu":
+        return model
+    logger.info(
+        "AFD attention role: DBO on, %d micro-batches per step from %d decode / %d prefill "
+        "tokens on",
+        vllm_config.parallel_config.num_ubatches,
+        vllm_config.parallel_config.dbo_decode_token_threshold,
+        vllm_config.parallel_config.dbo_prefill_token_threshold,
+    )
+    return CPUUBatchWrapper(model, vllm_config)
+
+
+def _context_class():
+    from vllm import forward_context
+    from vllm.v1.worker.ubatching import UBatchContext
+
+    class CPUUBatchContext(UBatchContext):
+        """vLLM's micro-batch hand-over (threading events, one thread runs at a
+        time) without CUDA streams or events."""
+
+        def update_stream(self, stream) -> None:
+            self.current_stream = stream
+
+        def _signal_comm_done(self) -> None:
+            pass
+
+        def _signal_compute_done(self) -> None:
+            pass
+
+        def _wait_compute_done(self) -> None:
+            pass
+
+        def _wait_comm_done(self) -> None:
+            pass
+
+        def _cpu_yield(self) -> None:
+            assert forward_context._forward_context == self.forward_context
+            assert not self.cpu_wait_event.is_set()
+            self.cpu_signal_event.set()
+            self.cpu_wait_event.wait()
+            self.cpu_wait_event.clear()
+            self._restore_context()
+
+    return CPUUBatchContext
+
+
+class CPUUBatchWrapper:
+    """Runs a micro-batched step (``forward_context.ubatch_slices`` set by the
+    runner) as one thread per micro-batch; any other step runs as is."""
+
+    def __init__(self, runnable: Any, vllm_config: Any):
+        self.runnable = runnable
+        self.vllm_config = vllm_config
+        self.num_ubatches = vllm_config.parallel_config.num_ubatches
+        self.ready_barrier = threading.Barrier(self.num_ubatches + 1)
+        self.ubatched_steps = 0
+        self._ctx_cls = _context_class()
+
+    def __getattr__(self, key: str):
+        # Only reached for attributes the wrapper does not have itself.
+        if key == "runnable":
+            raise AttributeError(key)
+        return getattr(self.runnable, key)
+
+    def unwrap(self) -> Any:
+        return self.runnable
+
+    def __call__(self, *args, **kwargs):
+        from vllm.forward_context import get_forward_context
+
+        fc = get_forward_context()
+        slices = fc.ubatch_slices
+        if slices is None:
+            return self.runnable(*args, **kwargs)
+        return self._run(fc, slices, kwargs)
+
+    def _run(self, fc, slices, kwargs):
+        from vllm import forward_context as fwd
+        from vllm.forward_context import create_forward_context, override_forward_context
+        from vllm.v1.worker.gpu_ubatch_wrapper import _cat_ubatch_outputs
+        from vllm.v1.worker.ubatching import _CURRENT_CONTEXTS
+        from vllm.v1.worker import ubatching
+
+        n = len(slices)
+        attn = fc.attn_metadata
+        slot = fc.slot_mapping if isinstance(fc.slot_mapping, list) else None
+        contexts = []
+        events = [threading.Event() for _ in range(n)]
+        for i in range(n):
+            forward = create_forward_context(
+                attn[i] if attn is not None else None,
+                self.vllm_config,
+                batch_descriptor=fc.batch_descriptor,
+                slot_mapping=slot[i] if slot else None,
+                additional_kwargs=dict(fc.additional_kwargs),
+            )
+            contexts.append(
+                self._ctx_cls(
+                    id=i,
+                    comm_stream=None,
+                    compute_stream=None,
+                    forward_context=forward,
+                    ready_barrier=self.ready_barrier,
+                    cpu_wait_event=events[i],
+                    cpu_signal_event=events[(i + 1) % n],
+                    gpu_comm_done_event=None,
+                    gpu_compute_done_event=None,
+                )
+            )
+        ubatching._NUM_UBATCHES = n
+        if len(_CURRENT_CONTEXTS) < n:
+            _CURRENT_CONTEXTS.extend([None] * (n - len(_CURRENT_CONTEXTS)))
+
+        inputs = []
+        for s in slices:
+            t = s.token_slice
+            positions = kwargs["positions"]
+            inputs.append(
+                dict(
+                    input_ids=None if kwargs.get("input_ids") is None else kwargs["input_ids"][t],
+                    positions=positions[:, t] if positions.ndim == 2 else positions[t],
+                    intermediate_tensors=None
+                    if kwargs.get("intermediate_tensors") is None
+                    else kwargs["intermediate_tensors"][t],
+                    inputs_embeds=None
+                    if kwargs.get("inputs_embeds") is None
+                    else kwargs["inputs_embeds"][t],
+                )
+            )
+        results: list = [None] * n
+        errors: list[BaseException] = []
+
+        def body(i: int) -> None:
+            try:
+                with torch.inference_mode(), contexts[i]:
+                    results[i] = self.runnable(**inputs[i])
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller
+                errors.append(e)
+                # Let the other micro-batch run on (it fails at its next
+                # hand-over or finishes); never leave it waiting.
+                contexts[i].cpu_signal_event.set()
+
+        with override_forward_context(None):
+            threads = [
+                threading.Thread(target=body, args=(i,), name=f"afd-ubatch-{i}", daemon=True)
+                for i in range(n)
+            ]
+            for t in threads:
+                t.start()
+            self.ready_barrier.wait()
+            contexts[0].cpu_wait_event.set()
+            for t in threads:
+                t.join()
+        fwd._forward_context = fc
+        if errors:
+            raise errors[0]
+        self.ubatched_steps += 1
+        return _cat_ubatch_outputs(results)
