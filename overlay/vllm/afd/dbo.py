@@ -93,13 +93,30 @@ def _context_class():
         def _wait_comm_done(self) -> None:
             pass
 
+        abort: threading.Event | None = None
+
         def _cpu_yield(self) -> None:
             assert forward_context._forward_context == self.forward_context
             assert not self.cpu_wait_event.is_set()
             self.cpu_signal_event.set()
-            self.cpu_wait_event.wait()
-            self.cpu_wait_event.clear()
+            self._wait_turn()
             self._restore_context()
+
+        def _wait_turn(self) -> None:
+            while not self.cpu_wait_event.wait(0.05):
+                if self.abort is not None and self.abort.is_set():
+                    raise RuntimeError("AFD DBO: the other micro-batch of this step failed")
+            self.cpu_wait_event.clear()
+
+        def __enter__(self):
+            from vllm.v1.worker import ubatching
+
+            ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()] = self.id
+            ubatching._CURRENT_CONTEXTS[self.id] = self
+            self.ready_barrier.wait()
+            self._wait_turn()
+            self._restore_context()
+            return self
 
     return CPUUBatchContext
 
@@ -135,17 +152,16 @@ class CPUUBatchWrapper:
         return self._run(fc, slices, kwargs)
 
     def _run(self, fc, slices, kwargs):
-        from vllm import forward_context as fwd
         from vllm.forward_context import create_forward_context, override_forward_context
-        from vllm.v1.worker.gpu_ubatch_wrapper import _cat_ubatch_outputs
-        from vllm.v1.worker.ubatching import _CURRENT_CONTEXTS
         from vllm.v1.worker import ubatching
+        from vllm.v1.worker.gpu_ubatch_wrapper import _cat_ubatch_outputs
 
         n = len(slices)
         attn = fc.attn_metadata
         slot = fc.slot_mapping if isinstance(fc.slot_mapping, list) else None
         contexts = []
         events = [threading.Event() for _ in range(n)]
+        abort = threading.Event()
         for i in range(n):
             forward = create_forward_context(
                 attn[i] if attn is not None else None,
@@ -167,9 +183,11 @@ class CPUUBatchWrapper:
                     gpu_compute_done_event=None,
                 )
             )
+            contexts[-1].abort = abort
         ubatching._NUM_UBATCHES = n
-        if len(_CURRENT_CONTEXTS) < n:
-            _CURRENT_CONTEXTS.extend([None] * (n - len(_CURRENT_CONTEXTS)))
+        current = ubatching._CURRENT_CONTEXTS
+        if len(current) < n:
+            current.extend([None] * (n - len(current)))
 
         inputs = []
         for s in slices:
@@ -196,9 +214,8 @@ class CPUUBatchWrapper:
                     results[i] = self.runnable(**inputs[i])
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 errors.append(e)
-                # Let the other micro-batch run on (it fails at its next
-                # hand-over or finishes); never leave it waiting.
-                contexts[i].cpu_signal_event.set()
+                # The other micro-batches end at their next hand-over.
+                abort.set()
 
         with override_forward_context(None):
             threads = [
@@ -211,7 +228,6 @@ class CPUUBatchWrapper:
             contexts[0].cpu_wait_event.set()
             for t in threads:
                 t.join()
-        fwd._forward_context = fc
         if errors:
             raise errors[0]
         self.ubatched_steps += 1
