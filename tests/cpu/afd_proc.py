@@ -37,6 +37,10 @@ def engine_kwargs(args) -> dict:
         kw["afd_config"] = json.loads(args.afd)
     if args.compilation_config:
         kw["compilation_config"] = json.loads(args.compilation_config)
+    if args.enable_dbo:
+        kw["enable_dbo"] = True
+        kw["dbo_decode_token_threshold"] = args.dbo_threshold
+        kw["dbo_prefill_token_threshold"] = args.dbo_threshold
     return kw
 
 
@@ -83,8 +87,8 @@ def serve_ffn(args) -> int:
             os._exit(3)
     runner.stop()
     del llm
-    print(f"AFD-FFN-STOPPED steps={runner.steps_served} batched={runner.batched_steps}",
-          flush=True)
+    print(f"AFD-FFN-STOPPED steps={runner.steps_served} batched={runner.batched_steps} "
+          f"ubatched={runner.ubatched_steps}", flush=True)
     os._exit(0)
 
 
@@ -99,6 +103,9 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
     p.add_argument("--compilation-config", help="JSON for LLM(compilation_config=...); not eager")
+    p.add_argument("--enable-dbo", action="store_true", help="two micro-batches per step")
+    p.add_argument("--dbo-threshold", type=int, default=2,
+                   help="decode and prefill token threshold for micro-batches with --enable-dbo")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = p.parse_args()

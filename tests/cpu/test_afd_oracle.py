@@ -158,7 +158,8 @@ def assert_matches(plain: dict, afd: dict) -> float:
 
 
 def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
-            num_attention=1, extra: dict | None = None, attn_model: Path | None = None):
+            num_attention=1, extra: dict | None = None, attn_model: Path | None = None,
+            attn_args: tuple[str, ...] = ()):
     extra = dict(extra or {})
     port = free_port()
     prompts = write_prompts(tmp_path)
@@ -172,7 +173,8 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
     def start_attn(rank: int):
         out = tmp_path / f"afd_{rank}.json"
         p = Proc(["attention", "--afd", afd_json("attention", port, rank=rank, **topo),
-                  "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "4"],
+                  "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "4",
+                  *attn_args],
                  attn_model or model, tmp_path / f"attn_{rank}.log")
         procs.append(p)
         return p, out
@@ -228,6 +230,34 @@ def test_oracle_2a1f(models_dir, tmp_path, procs):
     stopped = [ln for ln in ffn.text().splitlines() if ln.startswith("AFD-FFN-STOPPED")]
     assert stopped, ffn.tail()
     print(stopped[0])  # steps served, and how many of them batched both attention ranks
+
+
+def ffn_stopped_counts(ffn) -> dict[str, int]:
+    """Stop the FFN server and read its AFD-FFN-STOPPED line (steps served...)."""
+    ffn.kill(signal.SIGTERM)
+    ffn.p.wait(60)
+    stopped = [ln for ln in ffn.text().splitlines() if ln.startswith("AFD-FFN-STOPPED")]
+    assert stopped, ffn.tail()
+    return {k: int(v) for k, v in (f.split("=") for f in stopped[0].split()[1:])}
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])
+def test_oracle_dbo(name, models_dir, tmp_path, procs):
+    """--enable-dbo on the attention role: steps of at least 2 tokens run as two
+    micro-batches that hand over at the remote-FFN op; the FFN rank serves them
+    alternately. Same tokens and logprobs as plain vLLM."""
+    model = models_dir / name
+    plain = plain_reference(model, tmp_path)
+    ffn, [(attn, out)] = run_afd(procs, tmp_path, model,
+                                 attn_args=("--enable-dbo", "--dbo-threshold", "2"))
+    assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    worst = assert_matches(plain, json.loads(out.read_text()))
+    assert "AFD attention role: DBO on, 2 micro-batches" in attn.text(), attn.tail()
+    counts = ffn_stopped_counts(ffn)
+    # 4 sequences at a time: every step but the last decode steps of the last
+    # prompt has >= 2 tokens, so most steps are micro-batched.
+    assert counts["ubatched"] > counts["steps"] // 2, counts
+    print(f"{name} DBO: tokens identical, max |logprob diff| {worst:.2e}, {counts}")
 
 
 def test_mismatched_layer_count_ends_both(models_dir, tmp_path, procs):

@@ -93,6 +93,7 @@ class FFNModelRunner:
         self.error: str | None = None
         self.steps_served = 0
         self.batched_steps = 0  # steps that served several attention ranks at once
+        self.ubatched_steps = 0  # steps served as micro-batches (DBO)
         self.gates: dict[int, _GivenRouterLogits] = {}
         self.rank = 0
         self.profiler = None  # TorchProfilerWrapper while an attention rank profiles
@@ -355,6 +356,12 @@ class FFNModelRunner:
                     t, c = self._layer(layer_idx, module, [peer], x, [0, n], sync, False)
                 transfer += t
                 compute += c
+        if not self.ubatched_steps:
+            logger.info(
+                "AFD FFN role: serving micro-batched (DBO) steps of attention rank %d "
+                "(%d micro-batches, alternating layer by layer)", first.rank, count,
+            )
+        self.ubatched_steps += 1
         metrics.STATS.inc("ffn_ubatched_steps")
         self._account(peers, compute, transfer, batched=False)
 
