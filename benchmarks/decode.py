@@ -60,6 +60,11 @@ def engine_kwargs(a) -> dict:
         kw["afd_config"] = json.loads(a.afd)
     if a.compilation_config:
         kw["compilation_config"] = json.loads(a.compilation_config)
+    if a.enable_dbo:
+        kw["enable_dbo"] = True
+        if a.dbo_threshold is not None:
+            kw["dbo_decode_token_threshold"] = a.dbo_threshold
+            kw["dbo_prefill_token_threshold"] = a.dbo_threshold
     return kw
 
 
@@ -126,7 +131,8 @@ def tail(path: Path, n: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
-def measure(a, base_args: list[str], afd: bool, routing: str, work: Path, batch: int) -> dict:
+def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch: int) -> dict:
+    afd = mode != "plain"
     env = dict(os.environ)
     if a.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -135,7 +141,7 @@ def measure(a, base_args: list[str], afd: bool, routing: str, work: Path, batch:
         env[ROUTING_ENV] = "afd_balanced"
     else:
         env.pop(ROUTING_ENV, None)
-    tag = f"{'afd' if afd else 'plain'}_{routing}_b{batch}"
+    tag = f"{mode}_{routing}_b{batch}"
     out = work / f"{tag}.json"
     ffn = None
     args = [*base_args, "--out", str(out)]
@@ -159,6 +165,8 @@ def measure(a, base_args: list[str], afd: bool, routing: str, work: Path, batch:
             ffn = child(a, "ffn", [*base_args, "--afd", json.dumps({"role": "ffn", **cfg})],
                         ffn_env, work / f"{tag}_ffn.log")
             args += ["--afd", json.dumps({"role": "attention", **cfg})]
+            if mode == "afd_dbo":
+                args.append("--enable-dbo")
         elif a.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = a.attention_gpu
         gen = child(a, "generate", args, env, work / f"{tag}.log")
@@ -195,7 +203,13 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="best of N timings")
     p.add_argument("--routing", choices=["model", "balanced", "both"], default="model")
-    p.add_argument("--modes", default="plain,afd", help="comma list of plain, afd")
+    p.add_argument("--modes", default="plain,afd",
+                   help="comma list of plain, afd, afd_dbo (AFD with --enable-dbo on the "
+                   "attention role)")
+    p.add_argument("--dbo-threshold", type=int, default=None,
+                   help="afd_dbo: decode and prefill token threshold for micro-batches "
+                   "(default: vLLM's)")
+    p.add_argument("--enable-dbo", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
     p.add_argument("--compilation-config", help="JSON for LLM(compilation_config=...); not eager")
     p.add_argument("--connector-extra", help="JSON connector_extra_config for both AFD roles")
@@ -227,9 +241,11 @@ def main() -> int:
         common += ["--compilation-config", a.compilation_config]
     if a.gpu_memory_utilization:
         common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    if a.dbo_threshold is not None:
+        common += ["--dbo-threshold", str(a.dbo_threshold)]
     routings = ["model", "balanced"] if a.routing == "both" else [a.routing]
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = set(modes) - {"plain", "afd"}
+    bad = set(modes) - {"plain", "afd", "afd_dbo"}
     if bad:
         p.error(f"unknown mode(s) {sorted(bad)}")
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
@@ -244,23 +260,25 @@ def main() -> int:
             for routing in routings:
                 for mode in modes:
                     t0 = time.perf_counter()
-                    r = measure(a, base, mode == "afd", routing, Path(tmp), batch)
+                    r = measure(a, base, mode, routing, Path(tmp), batch)
                     r.update(mode=mode, routing=routing, batch=batch,
                              wall_s=time.perf_counter() - t0)
                     results.append(r)
-                    print(f"  batch {batch:4d} {mode:5s} routing={routing:8s} "
+                    print(f"  batch {batch:4d} {mode:7s} routing={routing:8s} "
                           f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  decode {batch / r['tpot_s']:9.1f} "
                           f"tok/s  prefill {r['prefill_s']:.3f} s  ({r['wall_s']:.0f} s)",
                           flush=True)
-    print("\nbatch routing    plain TPOT   AFD TPOT   AFD/plain   plain tok/s   AFD tok/s")
+    print("\nbatch routing   mode      TPOT ms     tok/s   vs plain (TPOT ratio)")
     for batch in batches:
         for routing in routings:
             by = {r["mode"]: r for r in results
                   if r["routing"] == routing and r["batch"] == batch}
-            if {"plain", "afd"} <= set(by):
-                pl, af = by["plain"]["tpot_s"], by["afd"]["tpot_s"]
-                print(f"{batch:5d} {routing:9s} {pl * 1e3:8.2f} ms {af * 1e3:8.2f} ms   "
-                      f"{af / pl:6.2f}x   {batch / pl:11.1f} {batch / af:11.1f}")
+            pl = by["plain"]["tpot_s"] if "plain" in by else None
+            for mode in modes:
+                t = by[mode]["tpot_s"]
+                ratio = f"{t / pl:6.2f}x" if pl else "-"
+                print(f"{batch:5d} {routing:9s} {mode:8s} {t * 1e3:8.2f} {batch / t:9.1f}   "
+                      f"{ratio}")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     return 0

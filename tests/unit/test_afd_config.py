@@ -455,3 +455,35 @@ def test_verify_leaves_eager_alone(role, device_type):
     v = _gpu_vllm(device_type=device_type)
     cfg(role=role).verify_with_vllm_config(v)
     assert v.model_config.enforce_eager is False
+
+
+# ------------------------------------------------------------------------ DBO
+def _dbo_vllm(device_type="cpu", dp=1, dbo=True):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                        enable_dbo=dbo, data_parallel_size=dp),
+        speculative_config=None,
+        model_config=SimpleNamespace(enforce_eager=True),
+        device_config=SimpleNamespace(device_type=device_type),
+    )
+
+
+def test_verify_dbo_ok_on_the_cpu_with_gloo():
+    cfg(role="attention").verify_with_vllm_config(_dbo_vllm())
+    # The FFN role has no micro-batches of its own: the flag is not its concern.
+    cfg(role="ffn").verify_with_vllm_config(_dbo_vllm(dp=2, device_type="cuda"))
+
+
+@pytest.mark.parametrize(
+    "vllm_config, connector, message",
+    [
+        (_dbo_vllm(dp=2), "gloo", r"--enable-dbo on the attention role needs data_parallel_size "
+                                  r"1 \(got 2\)"),
+        (_dbo_vllm(device_type="cuda"), "nccl", r"not supported with connector 'nccl'.*gloo"),
+        (_dbo_vllm(device_type="cuda"), "cuda_ipc", r"not supported with connector 'cuda_ipc'"),
+        (_dbo_vllm(device_type="cuda"), "gloo", r"--enable-dbo on 'cuda' is not supported yet"),
+    ],
+)
+def test_verify_dbo_refuses(vllm_config, connector, message):
+    with pytest.raises(AFDConfigError, match=message):
+        cfg(role="attention", connector=connector).verify_with_vllm_config(vllm_config)

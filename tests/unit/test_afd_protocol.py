@@ -61,7 +61,8 @@ def test_struct_sizes():
     "ctrl",
     [
         P.Control(P.MSG_STEP, step_id=7, num_tokens=1),
-        P.Control(P.MSG_STEP, step_id=2**64 - 1, num_tokens=256, flags=5),
+        P.Control(P.MSG_STEP, step_id=2**64 - 1, num_tokens=256, flags=P.ubatch_flags(1, 3)),
+        P.Control(P.MSG_PROFILE, flags=1),
         P.Control(P.MSG_HEARTBEAT),
         P.Control(P.MSG_GOODBYE),
     ],
@@ -110,6 +111,30 @@ def test_control_step_tokens_out_of_range(num_tokens):
 def test_control_step_tokens_at_bounds():
     assert P.Control.unpack(P.Control(P.MSG_STEP, 1, 1).pack(), 8).num_tokens == 1
     assert P.Control.unpack(P.Control(P.MSG_STEP, 1, 8).pack(), 8).num_tokens == 8
+
+
+@pytest.mark.parametrize("index, count", [(0, 2), (1, 2), (0, 8), (7, 8)])
+def test_control_micro_batch_flags_round_trip(index, count):
+    flags = P.ubatch_flags(index, count)
+    got = P.Control.unpack(P.Control(P.MSG_STEP, 5, 3, flags).pack(), 8)
+    assert P.ubatch_of(got.flags) == (index, count) and got.step_id == 5
+
+
+def test_control_plain_step_is_not_micro_batched():
+    assert P.ubatch_of(P.Control.unpack(P.Control(P.MSG_STEP, 1, 1).pack(), 8).flags) == (0, 0)
+
+
+@pytest.mark.parametrize("index, count", [(0, 1), (2, 2), (0, 9), (-1, 2)])
+def test_ubatch_flags_refuses_bad_micro_batches(index, count):
+    with pytest.raises(ValueError, match="outside 2..8"):
+        P.ubatch_flags(index, count)
+
+
+@pytest.mark.parametrize("flags", [1 << 8 | 0, 2 << 8 | 2, 1, 9 << 8, 1 << 16 | 2 << 8])
+def test_control_bad_micro_batch_flags(flags):
+    data = P.Control(P.MSG_STEP, 1, 4, flags).pack()
+    with pytest.raises(P.AFDProtocolError, match="bad micro-batch flags"):
+        P.Control.unpack(data, 8)
 
 
 def test_control_errors_are_protocol_errors():

@@ -343,6 +343,38 @@ def test_attention_self_connect_is_dropped_and_retried(net, monkeypatch):
     assert len(calls) >= 2
 
 
+def test_micro_batched_step_controls(net):
+    """DBO: micro-batch 1's control follows micro-batch 0's first layer on the wire;
+    the FFN reads it with recv_control."""
+    ffn, att = connected_pair(net)
+    att.begin_step(3, 5, ubatch=(0, 2))
+    (peer,) = wait_peers(ffn, [0]).values()
+    assert (peer.control.step_id, P.ubatch_of(peer.control.flags)) == (3, (0, 2))
+    x0, x1 = torch.randn(5, HIDDEN), torch.randn(2, HIDDEN)
+    att.send(x0)
+    att.begin_step(3, 2, ubatch=(1, 2))
+    att.send(x1)
+    buf = torch.empty(5, HIDDEN)
+    ffn.recv(peer, buf)
+    assert torch.equal(buf, x0)
+    ctrl = ffn.recv_control(peer)
+    assert (ctrl.step_id, ctrl.num_tokens, P.ubatch_of(ctrl.flags)) == (3, 2, (1, 2))
+    buf1 = torch.empty(2, HIDDEN)
+    ffn.recv(peer, buf1)
+    assert torch.equal(buf1, x1)
+    att.end_step()
+
+
+def test_recv_control_of_a_silent_peer_times_out(net):
+    ffn, att = connected_pair(net, timeout=1.0)
+    att.begin_step(1, 1, ubatch=(0, 2))
+    (peer,) = wait_peers(ffn, [0]).values()
+    t0 = time.monotonic()
+    with pytest.raises(P.AFDPeerError):
+        ffn.recv_control(peer)
+    assert time.monotonic() - t0 < 3.0
+
+
 def test_heartbeats_keep_idle_peer_alive(net):
     """Idle for longer than timeout_s: heartbeats keep the FFN from dropping the peer."""
     ffn, att = connected_pair(net, timeout=1.0)
