@@ -98,17 +98,18 @@ def test_a_step_without_slices_runs_as_is(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "num_tokens, uniform_decode, allow, expected",
+    "num_tokens, uniform_decode, allow, decode_threshold, expected",
     [
-        (2, True, True, True),  # decode threshold 2
-        (1, True, True, False),  # one token: no second micro-batch
-        (3, False, True, False),  # prefill threshold 4
-        (4, False, True, True),
-        (64, True, False, False),  # the runner did not allow it (e.g. a capture)
+        (2, True, True, 2, True),
+        (1, True, True, 2, False),  # below the decode threshold
+        (1, True, True, 0, False),  # one token: there is no second micro-batch
+        (3, False, True, 2, False),  # prefill threshold 4
+        (4, False, True, 2, True),
+        (64, True, False, 2, False),  # the runner did not allow it (e.g. a capture)
     ],
 )
-def test_split_decision(num_tokens, uniform_decode, allow, expected):
-    pc = _vllm_config().parallel_config
+def test_split_decision(num_tokens, uniform_decode, allow, decode_threshold, expected):
+    pc = _vllm_config(decode=decode_threshold).parallel_config
     assert dbo.should_ubatch(pc, num_tokens, uniform_decode, allow) is expected
 
 
