@@ -365,6 +365,49 @@ def test_micro_batched_step_controls(net):
     att.end_step()
 
 
+def test_micro_batches_larger_than_socket_buffers_do_not_deadlock(net):
+    """The DBO order with 16 MiB messages: micro-batch 1 sends while the FFN rank
+    sends micro-batch 0's reply. recv_start drains that reply in the background;
+    a plain recv after both sends would leave both sides blocked in sendall."""
+    ffn, att = connected_pair(net, timeout=10.0)
+    big = (4 * 1024 * 1024 // HIDDEN, HIDDEN)  # 16 MiB of float32
+    x0, x1 = torch.randn(big), torch.randn(big)
+
+    def serve():
+        (peer,) = wait_peers(ffn, [0]).values()
+        buf = torch.empty(big)
+        ffn.recv(peer, buf)
+        ffn.send(peer, buf * 2)
+        ctrl = ffn.recv_control(peer)
+        ffn.recv(peer, buf)
+        ffn.send(peer, buf * 3)
+        return ctrl
+
+    srv = Bg(serve)
+    att.begin_step(1, 64, ubatch=(0, 2))
+    att.send(x0)
+    w0 = att.recv_start(torch.empty(big))
+    att.begin_step(1, 64, ubatch=(1, 2))
+    att.send(x1)
+    w1 = att.recv_start(torch.empty(big))
+    assert torch.equal(w0(), x0 * 2) and torch.equal(w1(), x1 * 3)
+    assert P.ubatch_of(srv.get(20).flags) == (1, 2)
+    att.end_step()
+
+
+def test_background_receive_from_a_dead_ffn_fails_fast(net):
+    ffn, att = connected_pair(net, timeout=10.0)
+    att.begin_step(1, 4, ubatch=(0, 2))
+    wait = att.recv_start(torch.empty(4, HIDDEN))
+    ffn.close()
+    t0 = time.monotonic()
+    with pytest.raises(P.AFDPeerError, match="lost AFD peer"):
+        wait()
+    assert time.monotonic() - t0 < 3.0
+    with pytest.raises(P.AFDPeerError):
+        att.send(torch.zeros(1, HIDDEN))  # the connection is marked dead
+
+
 def test_recv_control_of_a_silent_peer_times_out(net):
     ffn, att = connected_pair(net, timeout=1.0)
     att.begin_step(1, 1, ubatch=(0, 2))

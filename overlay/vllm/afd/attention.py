@@ -117,12 +117,14 @@ class AttentionClient:
         t1 = time.perf_counter()
         if nub:
             # The other micro-batch computes its attention while the FFN rank
-            # serves this one; its turn ends at its own exchange.
+            # serves this one; its turn ends at its own exchange. The reply is
+            # received in the background meanwhile (see recv_start).
+            wait = conn.recv_start(torch.empty_like(x))
             with record_function("afd.ubatch_yield"):
                 _dbo_yield()
         t1w = time.perf_counter() if nub else t1
         with record_function("afd.ffn_wait"):
-            out = conn.recv(torch.empty_like(x))
+            out = wait() if nub else conn.recv(torch.empty_like(x))
         t2 = time.perf_counter()
         self._transfer += t1 - t0
         self._wait += t2 - t1w  # the other micro-batch's turn is not FFN wait

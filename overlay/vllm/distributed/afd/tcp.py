@@ -11,12 +11,14 @@ ranks ``f*k .. f*k+k-1`` with ``k = num_attention_ranks / num_ffn_ranks``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hmac
 import os
 import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -146,6 +148,9 @@ class TCPAttentionConnector(AttentionConnector):
         self._dead: str | None = None
         self._closed = threading.Event()
         self._hb: threading.Thread | None = None
+        # Background receives (recv_start): one worker, so they complete in order.
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
+        self._rsock: socket.socket | None = None
 
     # -- connection ------------------------------------------------------
     def connect(self) -> None:
@@ -249,6 +254,39 @@ class TCPAttentionConnector(AttentionConnector):
             raise
         return out
 
+    def recv_start(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start receiving ``out`` in the background, after the receives started
+        before it; the returned ``wait()`` gives it (bounded by timeout_s).
+
+        DBO: a micro-batch starts its receive before it yields, so the FFN rank's
+        reply drains while the other micro-batch sends (with both sides blocked
+        in sends of messages larger than the socket buffers, neither would read).
+        """
+        sock = self._check()
+        if self._reader is None:
+            # Own socket object (same connection): its timeout is its own.
+            self._rsock = sock.dup()
+            self._reader = concurrent.futures.ThreadPoolExecutor(1, "afd-recv")
+        rsock, timeout, peer = self._rsock, self.timeout, self.peer
+
+        def job() -> torch.Tensor:
+            _recv_tensor(rsock, out, time.monotonic() + timeout, peer)
+            return out
+
+        future = self._reader.submit(job)
+
+        def wait() -> torch.Tensor:
+            try:
+                return future.result(timeout + 5.0)
+            except concurrent.futures.TimeoutError:
+                err = AFDPeerError(f"AFD peer {peer} did not answer within the timeout")
+            except AFDPeerError as e:
+                err = e
+            self._dead = str(err)
+            raise err
+
+        return wait
+
     def end_step(self) -> None:
         with self._lock:
             self._in_step = False
@@ -271,8 +309,19 @@ class TCPAttentionConnector(AttentionConnector):
                         _send_all(self.sock, Control(MSG_GOODBYE).pack(), 2.0, self.peer)
                     except AFDPeerError:
                         pass
+                if self._rsock is not None:
+                    try:  # ends a background receive at once (EOF), not at its deadline
+                        self.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
                 self.sock.close()
                 self.sock = None
+            if self._reader is not None:
+                self._reader.shutdown(wait=False, cancel_futures=True)
+                self._reader = None
+            if self._rsock is not None:
+                self._rsock.close()
+                self._rsock = None
 
 
 class _Peer:
