@@ -153,6 +153,10 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
             if a.connector_extra:
                 cfg["connector_extra_config"] = json.loads(a.connector_extra)
             ffn_env = dict(env)
+            if a.device == "cpu" and a.ffn_cpus:
+                # vLLM's CPU worker binds its OpenMP threads to these cores.
+                ffn_env["VLLM_CPU_OMP_THREADS_BIND"] = a.ffn_cpus
+                env["VLLM_CPU_OMP_THREADS_BIND"] = a.attention_cpus or "auto"
             if a.device == "cuda":
                 att, ffn_gpu = a.attention_gpu, a.ffn_gpu
                 if a.connector in ("cuda_ipc", "ipc") and att != ffn_gpu:
@@ -216,6 +220,9 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--attention-gpu", default="0")
     p.add_argument("--ffn-gpu", default="1", help="GPU of the FFN rank ('0' to share one)")
+    p.add_argument("--attention-cpus", help="CPU: cores of the AFD attention rank, e.g. '0' "
+                   "(VLLM_CPU_OMP_THREADS_BIND; plain vLLM keeps the default)")
+    p.add_argument("--ffn-cpus", help="CPU: cores of the AFD FFN rank, e.g. '1'")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--_role", help=argparse.SUPPRESS)
@@ -251,7 +258,9 @@ def main() -> int:
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
           f"device {a.device}; model {a.model} ({a.load_format}, {a.dtype}); batches {batches}, "
           f"input {a.input_len}, output {a.output_len}; connector {a.connector}; "
-          f"compilation {a.compilation_config or ('compile' if a.compile else 'eager')}",
+          f"compilation {a.compilation_config or ('compile' if a.compile else 'eager')}"
+          + (f"; AFD cores attention {a.attention_cpus} / FFN {a.ffn_cpus}" if a.ffn_cpus
+             else ""),
           flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="afd-decode-") as tmp:
