@@ -470,8 +470,12 @@ def _dbo_vllm(device_type="cpu", dp=1, dbo=True):
 
 def test_verify_dbo_ok_on_the_cpu_with_gloo():
     cfg(role="attention").verify_with_vllm_config(_dbo_vllm())
-    # The FFN role has no micro-batches of its own: the flag is not its concern.
-    cfg(role="ffn").verify_with_vllm_config(_dbo_vllm(dp=2, device_type="cuda"))
+    cfg(role="ffn").verify_with_vllm_config(_dbo_vllm(dbo=False))
+
+
+def test_verify_dbo_refused_on_the_ffn_role():
+    with pytest.raises(AFDConfigError, match=r"--enable-dbo is an attention-server option"):
+        cfg(role="ffn").verify_with_vllm_config(_dbo_vllm())
 
 
 @pytest.mark.parametrize(

@@ -223,7 +223,12 @@ class AFDConfig:
         model_config = getattr(vllm_config, "model_config", None)
         device_config = getattr(vllm_config, "device_config", None)
         device_type = getattr(device_config, "device_type", "cpu")
-        if self.is_attention and parallel is not None and getattr(parallel, "enable_dbo", False):
+        if parallel is not None and getattr(parallel, "enable_dbo", False):
+            if self.is_ffn:
+                raise AFDConfigError(
+                    "AFD: --enable-dbo is an attention-server option (the FFN rank serves "
+                    "the micro-batches it is sent); drop it from the FFN server"
+                )
             self._verify_dbo(parallel, device_type)
         if self.connector in GRAPH_CAPABLE_CONNECTORS and device_type != "cuda":
             raise AFDConfigError(
