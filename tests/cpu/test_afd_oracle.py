@@ -241,18 +241,23 @@ def ffn_stopped_counts(ffn) -> dict[str, int]:
     return {k: int(v) for k, v in (f.split("=") for f in stopped[0].split()[1:])}
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])
-def test_oracle_dbo(name, models_dir, tmp_path, procs):
+@pytest.mark.parametrize("name, gate_on_attention",
+                         [("qwen3_moe", False), ("deepseek_v2", False), ("qwen3_moe", True)])
+def test_oracle_dbo(name, gate_on_attention, models_dir, tmp_path, procs):
     """--enable-dbo on the attention role: steps of at least 2 tokens run as two
     micro-batches that hand over at the remote-FFN op; the FFN rank serves them
-    alternately. Same tokens and logprobs as plain vLLM."""
+    alternately (with the router logits of each micro-batch when the gate runs on the
+    attention role). Same tokens and logprobs as plain vLLM."""
     model = models_dir / name
     plain = plain_reference(model, tmp_path)
-    ffn, [(attn, out)] = run_afd(procs, tmp_path, model,
+    extra = {"compute_gate_on_attention": True} if gate_on_attention else None
+    ffn, [(attn, out)] = run_afd(procs, tmp_path, model, extra=extra,
                                  attn_args=("--enable-dbo", "--dbo-threshold", "2"))
     assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
     worst = assert_matches(plain, json.loads(out.read_text()))
     assert "AFD attention role: DBO on, 2 micro-batches" in attn.text(), attn.tail()
+    if gate_on_attention:
+        assert "router of 2 MoE layer(s) runs on the attention role" in attn.text(), attn.tail()
     counts = ffn_stopped_counts(ffn)
     # 4 sequences at a time: every step but the last decode steps of the last
     # prompt has >= 2 tokens, so most steps are micro-batched.
