@@ -128,8 +128,6 @@ class CPUUBatchWrapper:
     def __init__(self, runnable: Any, vllm_config: Any):
         self.runnable = runnable
         self.vllm_config = vllm_config
-        self.num_ubatches = vllm_config.parallel_config.num_ubatches
-        self.ready_barrier = threading.Barrier(self.num_ubatches + 1)
         self.ubatched_steps = 0
         self._ctx_cls = _context_class()
 
@@ -162,6 +160,7 @@ class CPUUBatchWrapper:
         contexts = []
         events = [threading.Event() for _ in range(n)]
         abort = threading.Event()
+        ready_barrier = threading.Barrier(n + 1)  # the micro-batch threads and this one
         for i in range(n):
             forward = create_forward_context(
                 attn[i] if attn is not None else None,
@@ -176,7 +175,7 @@ class CPUUBatchWrapper:
                     comm_stream=None,
                     compute_stream=None,
                     forward_context=forward,
-                    ready_barrier=self.ready_barrier,
+                    ready_barrier=ready_barrier,
                     cpu_wait_event=events[i],
                     cpu_signal_event=events[(i + 1) % n],
                     gpu_comm_done_event=None,
@@ -224,7 +223,7 @@ class CPUUBatchWrapper:
             ]
             for t in threads:
                 t.start()
-            self.ready_barrier.wait()
+            ready_barrier.wait()
             contexts[0].cpu_wait_event.set()
             for t in threads:
                 t.join()

@@ -36,8 +36,12 @@ MSG_PROFILE = 4  # flags: 1 = start the FFN rank's profiler, 0 = stop it
 MAX_UBATCHES = 8
 
 
+def _is_ubatch(index: int, count: int) -> bool:
+    return 2 <= count <= MAX_UBATCHES and 0 <= index < count
+
+
 def ubatch_flags(index: int, count: int) -> int:
-    if not 2 <= count <= MAX_UBATCHES or not 0 <= index < count:
+    if not _is_ubatch(index, count):
         raise ValueError(f"micro-batch {index} of {count} is outside 2..{MAX_UBATCHES}")
     return count << 8 | index
 
@@ -104,10 +108,8 @@ class Control:
             raise AFDProtocolError(
                 f"step with {num_tokens} tokens is outside 1..{max_num_tokens}"
             )
-        if mtype == MSG_STEP:
-            index, count = ubatch_of(flags)
-            if flags >> 16 or (count or index) and not (2 <= count <= MAX_UBATCHES and index < count):
-                raise AFDProtocolError(f"step with bad micro-batch flags {flags:#x}")
+        if mtype == MSG_STEP and flags and (flags >> 16 or not _is_ubatch(*ubatch_of(flags))):
+            raise AFDProtocolError(f"step with bad micro-batch flags {flags:#x}")
         return cls(mtype, step_id, num_tokens, flags)
 
 
