@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,9 +29,11 @@ PROC = REPO / "tests" / "cpu" / "afd_proc.py"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range (scripts/serve_util.py says why)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import serve_util
+
+    return serve_util.free_port()
 
 
 def connector_round_trip(hidden: int, tokens: list[int], iters: int) -> list[tuple]:

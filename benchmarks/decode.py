@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,9 +36,11 @@ ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range (scripts/serve_util.py says why)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import serve_util
+
+    return serve_util.free_port()
 
 
 def engine_kwargs(a) -> dict:

@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -62,19 +63,82 @@ CPU_SERVE_ENV = {
 
 
 # ---------------------------------------------------------------------------- ports
-def free_ports(n: int = 1, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports that are free now (all sockets are held open until every
-    port is picked, so the ports differ; a race with another program is still possible)."""
-    socks: list[socket.socket] = []
+# Ports handed out for servers to listen on lie in a window below the kernel's ephemeral
+# range: a port the kernel can pick by itself (an outgoing connection's source port, any
+# program's bind(0), such as vLLM's internal ports or torch.distributed's store) may be
+# taken between the moment it is handed out and the moment the server binds it: the
+# server then fails with EADDRINUSE, or a client (the AFD attention rank retrying while
+# its FFN rank starts) connects to itself or to that other listener. The window starts
+# above the VLLM_PORT bases of internal_port_base (20000-29900; vLLM scans a few ports
+# upward from its base).
+LISTEN_WINDOW_START = 30100
+_HANDED_OUT: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (the Linux default where it cannot be read)."""
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable_now(port: int, host: str) -> bool:
+    # Without SO_REUSEADDR: a port with a connection in TIME_WAIT is skipped too.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int = 1, host: str = "127.0.0.1", *, consecutive: bool = False) -> list[int]:
+    """``n`` distinct TCP ports, free now, below the ephemeral range, none handed out
+    before by this process (two servers started one after the other never get the same
+    port, even while the first has not bound its port yet). With ``consecutive``, ``n``
+    consecutive ports (an M:N FFN deployment listens on ``port + rank``). Where the
+    ephemeral range leaves no room below it, the kernel's ``bind(0)`` picks them."""
+    if n < 1:
+        raise ValueError(f"free_ports: n must be >= 1, got {n}")
+    lo, hi = LISTEN_WINDOW_START, ephemeral_port_range()[0]
+    if hi - lo < 8 * n:
+        return _kernel_ports(n, host, consecutive)
+    rng = random.SystemRandom()
+    for _ in range(500):
+        if consecutive:
+            base = rng.randrange(lo, hi - n + 1)
+            ports = list(range(base, base + n))
+        else:
+            ports = rng.sample(range(lo, hi), n)
+        if any(p in _HANDED_OUT for p in ports):
+            continue
+        if all(_bindable_now(p, host) for p in ports):
+            _HANDED_OUT.update(ports)
+            return ports
+    raise RuntimeError(f"no {n} free port(s) on {host} in {lo}-{hi - 1}")
+
+
+def _kernel_ports(n: int, host: str, consecutive: bool) -> list[int]:
+    for _ in range(100):
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(1 if consecutive else n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, 0))
+            ports = [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+        if consecutive:
+            ports = list(range(ports[0], ports[0] + n))
+            if ports[-1] > 65535 or not all(_bindable_now(p, host) for p in ports[1:]):
+                continue
+        return ports
+    raise RuntimeError(f"no {n} free port(s) on {host}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -161,8 +225,6 @@ def internal_port_base() -> int:
     earlier, and a concurrent client connection can take the same port in between
     (EADDRINUSE at ``init_process_group``). Bases lie below the ephemeral range, 100
     apart, a different one for every server of this process."""
-    import random
-
     rng = random.SystemRandom()
     while True:
         base = rng.randrange(20000, 30000, 100)

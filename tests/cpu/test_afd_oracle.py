@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,9 @@ from pathlib import Path
 
 import pytest
 from oracle_lib import assert_outputs_match
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import serve_util as su  # noqa: E402
 
 pytestmark = pytest.mark.cpu_e2e
 
@@ -47,24 +49,8 @@ PROMPTS = {
 
 
 def free_port(n: int = 1) -> int:
-    """A base port with n consecutive free ports."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port")
+    """A base port with n consecutive free ports (below the ephemeral range)."""
+    return su.free_ports(n, consecutive=True)[0]
 
 
 def env_for(model: Path) -> dict:

@@ -10,10 +10,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
+import sys
 import time
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import serve_util as su  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -28,9 +32,7 @@ TIMEOUT_S = 3.0
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return su.free_port()
 
 
 def _ctx(role: str, port: int):

@@ -9,14 +9,18 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 tcp = pytest.importorskip("vllm.distributed.afd.tcp")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from serve_util import free_port  # noqa: E402
 from vllm.afd import protocol as P  # noqa: E402
 from vllm.config.afd import AFDConfig  # noqa: E402
 from vllm.distributed.afd.base import (  # noqa: E402
@@ -29,12 +33,6 @@ HOST = "127.0.0.1"
 HIDDEN = 16
 MAX_TOKENS = 64
 TIMEOUT = 2.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def fingerprint(**changes) -> dict:
@@ -341,6 +339,75 @@ def test_attention_self_connect_is_dropped_and_retried(net, monkeypatch):
     bg.get()
     wait_until(lambda: 0 in ffn.peers)
     assert len(calls) >= 2
+
+
+def test_attention_to_a_foreign_listener_names_the_handshake(net):
+    """CI hit this: something else (another program's bind(0) port) listened on the FFN
+    port, took the hello and closed; the error says so instead of a bare EOF."""
+    with socket.socket() as lst:
+        lst.bind((HOST, free_port()))
+        lst.listen(1)
+
+        def take_and_close():
+            c, _ = lst.accept()
+            c.recv(64)
+            c.close()
+
+        t = threading.Thread(target=take_and_close, daemon=True)
+        t.start()
+        att = net.attention(lst.getsockname()[1], timeout=3.0)
+        t0 = time.monotonic()
+        # EOF, or a reset where the hello was not read to its end
+        during = r"(connection closed|reset by peer) \(during the AFD handshake, before any reply"
+        with pytest.raises(P.AFDPeerError, match=during):
+            att.connect()
+        assert time.monotonic() - t0 < 3.0
+        t.join(2)
+
+
+@pytest.mark.skipif(tcp.ephemeral_port_range() is None, reason="no ephemeral port range")
+def test_ffn_port_in_ephemeral_range_is_warned(net, monkeypatch):
+    warnings = []
+    monkeypatch.setattr(tcp.logger, "warning", lambda msg, *a: warnings.append(msg % a))
+    lo, hi = tcp.ephemeral_port_range()
+    with socket.socket() as s:  # bind(0) picks from the ephemeral range
+        s.bind((HOST, 0))
+        eph_port = s.getsockname()[1]
+    assert lo <= eph_port <= hi
+    net.ffn(eph_port).start()
+    assert any(f"port {eph_port}, inside this host's ephemeral port range" in w for w in warnings)
+    warnings.clear()
+    net.ffn(free_port()).start()  # below the range: no warning
+    assert not [w for w in warnings if "ephemeral" in w], warnings
+
+
+def test_free_ports_lie_below_the_ephemeral_range():
+    import serve_util as su
+
+    lo = su.ephemeral_port_range()[0]
+    seen = set()
+    for _ in range(20):
+        (p,) = su.free_ports(1)
+        assert su.LISTEN_WINDOW_START <= p < lo
+        seen.add(p)
+    assert len(seen) == 20  # never handed out twice
+    base = su.free_ports(3, consecutive=True)[0]
+    ports = su.free_ports(4)
+    assert len(set(ports)) == 4 and not set(ports) & set(range(base, base + 3))
+    for p in [*range(base, base + 3), *ports]:
+        with socket.socket() as s:
+            s.bind((HOST, p))  # free
+
+
+def test_free_ports_fall_back_to_the_kernel_without_room(monkeypatch):
+    import serve_util as su
+
+    monkeypatch.setattr(su, "ephemeral_port_range", lambda: (su.LISTEN_WINDOW_START + 4, 60999))
+    base = su.free_ports(2, consecutive=True)[0]
+    assert base >= su.LISTEN_WINDOW_START + 4
+    with socket.socket() as a, socket.socket() as b:
+        a.bind((HOST, base))
+        b.bind((HOST, base + 1))
 
 
 def test_micro_batched_step_controls(net):

@@ -120,6 +120,16 @@ def _self_connected(sock: socket.socket) -> bool:
         return False
 
 
+def ephemeral_port_range() -> tuple[int, int] | None:
+    """This host's ephemeral port range (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return lo, hi
+
+
 def _hello_payload(ctx: ConnectorContext, role: str) -> dict:
     payload = dict(ctx.fingerprint)
     payload["role"] = role
@@ -195,8 +205,16 @@ class TCPAttentionConnector(AttentionConnector):
         local["auth"] = _auth_token(_secret(self.ctx), local)
         _send_all(sock, pack_hello(local), self.timeout, self.peer)
         hello_deadline = max(deadline, time.monotonic() + 10.0)
-        n = unpack_hello_preamble(_recv_bytes(sock, HELLO_PREAMBLE.size, hello_deadline, self.peer))
-        remote = parse_hello(_recv_bytes(sock, n, hello_deadline, self.peer))
+        try:
+            n = unpack_hello_preamble(
+                _recv_bytes(sock, HELLO_PREAMBLE.size, hello_deadline, self.peer)
+            )
+            remote = parse_hello(_recv_bytes(sock, n, hello_deadline, self.peer))
+        except AFDPeerError as e:
+            raise AFDPeerError(
+                f"{e} (during the AFD handshake, before any reply: is what listens there "
+                "an AFD FFN server of this build?)"
+            ) from None
         status = remote.get("status")
         if status != "ok":
             raise AFDHandshakeError(f"AFD {self.peer} refused this attention rank: {status}")
@@ -376,6 +394,20 @@ class TCPFFNConnector(FFNConnector):
             ) from e
         lst.listen(16)
         self.listener = lst
+        eph = ephemeral_port_range()
+        if eph is not None and eph[0] <= port <= eph[1]:
+            logger.warning(
+                "AFD: FFN rank %d listens on port %d, inside this host's ephemeral port "
+                "range %d-%d: the kernel may give this port to an outgoing connection or "
+                "to another program's bind(0) while this server is down (a restart then "
+                "fails with 'Address already in use', or an attention rank connects to "
+                "the wrong listener). Choose a port below %d.",
+                self.ctx.rank,
+                port,
+                eph[0],
+                eph[1],
+                eph[0],
+            )
         self._started_at = time.monotonic()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name="afd-accept", daemon=True
