@@ -36,17 +36,22 @@ def test_registered_under_its_name_and_alias():
     assert ipc.IPCAttentionConnector.graph_capable and ipc.IPCFFNConnector.graph_capable
 
 
-def test_graph_capability_agrees_with_the_config_list():
-    from vllm.config.afd import GRAPH_CAPABLE_CONNECTORS
-    from vllm.distributed.afd import base
+def test_graph_and_dbo_capability_agree_with_the_config_lists():
+    from vllm.config.afd import DBO_CONNECTORS, GRAPH_CAPABLE_CONNECTORS
+    from vllm.distributed.afd import base, tcp
 
     base._ensure_builtin()
+    assert {"gloo", "nccl", "cuda_ipc"} <= set(base._ATTENTION)
     for name in base._ATTENTION:
         for cls in (base._ATTENTION[name], base._FFN[name]):
             assert cls.graph_capable == (name in GRAPH_CAPABLE_CONNECTORS), (name, cls)
-    with pytest.raises(ValueError, match="GRAPH_CAPABLE_CONNECTORS"):
+            assert cls.dbo_capable == (name in DBO_CONNECTORS), (name, cls)
+    with pytest.raises(ValueError, match="graph_capable=True but 'not_listed' is not in"):
         base.register_connector("not_listed", ipc.IPCAttentionConnector, ipc.IPCFFNConnector)
-    assert "not_listed" not in base._ATTENTION
+    # TCP classes serve micro-batches: a name outside DBO_CONNECTORS is refused
+    with pytest.raises(ValueError, match="dbo_capable=True but 'tcp_copy' is not in"):
+        base.register_connector("tcp_copy", tcp.TCPAttentionConnector, tcp.TCPFFNConnector)
+    assert "not_listed" not in base._ATTENTION and "tcp_copy" not in base._ATTENTION
 
 
 def test_inbox_holds_hidden_states_and_router_logits_of_the_largest_step():

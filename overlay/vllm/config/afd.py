@@ -37,7 +37,9 @@ CONNECTOR_ALIASES = {
 # graph. With any other connector the attention role on a GPU runs eager.
 GRAPH_CAPABLE_CONNECTORS = ("cuda_ipc",)
 
-# Connectors whose FFN side serves micro-batched (DBO) steps.
+# Connectors that serve micro-batched (DBO) steps: the attention side receives a
+# micro-batch's reply in the background, the FFN side reads later micro-batches'
+# controls. Their classes say dbo_capable = True (register_connector checks both).
 DBO_CONNECTORS = ("gloo",)
 
 # The largest FFN ranks count the NCCL connector serves in this release

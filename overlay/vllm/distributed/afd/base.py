@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.afd.protocol import Control
-from vllm.config.afd import GRAPH_CAPABLE_CONNECTORS, AFDConfig
+from vllm.config.afd import DBO_CONNECTORS, GRAPH_CAPABLE_CONNECTORS, AFDConfig
 
 
 @dataclass
@@ -36,6 +36,9 @@ class AttentionConnector(ABC):
     # True when begin_step/send/recv are device work only (capturable in CUDA
     # graphs, see vllm.config.afd.GRAPH_CAPABLE_CONNECTORS).
     graph_capable = False
+    # True when the connector serves micro-batched (DBO) steps: recv_start on this
+    # side, recv_control on the FFN side (vllm.config.afd.DBO_CONNECTORS).
+    dbo_capable = False
 
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
@@ -85,6 +88,7 @@ class StepPeer:
 
 class FFNConnector(ABC):
     graph_capable = False
+    dbo_capable = False
     generation = 0  # see IPCFFNConnector.generation
 
     def __init__(self, ctx: ConnectorContext):
@@ -130,17 +134,23 @@ def register_connector(
     ffn_cls: Callable[[ConnectorContext], FFNConnector],
 ) -> None:
     # The config layer (which imports no connector) decides from
-    # GRAPH_CAPABLE_CONNECTORS whether the attention role may keep CUDA graphs; the
-    # FFN runner reads the classes' graph_capable. Refuse a registration where the
-    # two disagree instead of letting one side capture graphs the other cannot serve.
-    listed = name in GRAPH_CAPABLE_CONNECTORS
-    for cls in (attention_cls, ffn_cls):
-        if bool(getattr(cls, "graph_capable", False)) != listed:
-            raise ValueError(
-                f"AFD connector {name!r}: {getattr(cls, '__name__', cls)}.graph_capable="
-                f"{bool(getattr(cls, 'graph_capable', False))} but {name!r} is "
-                f"{'' if listed else 'not '}in vllm.config.afd.GRAPH_CAPABLE_CONNECTORS"
-            )
+    # GRAPH_CAPABLE_CONNECTORS whether the attention role may keep CUDA graphs and
+    # from DBO_CONNECTORS whether it may micro-batch; the roles read the classes'
+    # graph_capable / dbo_capable. Refuse a registration where the two disagree
+    # instead of letting one side run steps the other cannot serve.
+    for attr, names, listing in (
+        ("graph_capable", GRAPH_CAPABLE_CONNECTORS, "GRAPH_CAPABLE_CONNECTORS"),
+        ("dbo_capable", DBO_CONNECTORS, "DBO_CONNECTORS"),
+    ):
+        listed = name in names
+        for cls in (attention_cls, ffn_cls):
+            has = bool(getattr(cls, attr, False))
+            if has != listed:
+                raise ValueError(
+                    f"AFD connector {name!r}: {getattr(cls, '__name__', cls)}.{attr}="
+                    f"{has} but {name!r} is {'' if listed else 'not '}in "
+                    f"vllm.config.afd.{listing}"
+                )
     _ATTENTION[name] = attention_cls
     _FFN[name] = ffn_cls
 

@@ -211,6 +211,8 @@ def _timeout_ns(ctx: ConnectorContext) -> int:
 # ----------------------------------------------------------- attention side
 class IPCAttentionConnector(TCPAttentionConnector):
     graph_capable = True
+    # One inbox/flag set per rank: micro-batches would need one each (not yet).
+    dbo_capable = False
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
@@ -369,6 +371,7 @@ class _Inbox:
 
 class IPCFFNConnector(TCPFFNConnector):
     graph_capable = True
+    dbo_capable = False
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)

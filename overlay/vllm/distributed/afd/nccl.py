@@ -52,6 +52,9 @@ def _create_comm(ctx: ConnectorContext, ffn_rank: int, member: int):
 
 
 class NCCLAttentionConnector(TCPAttentionConnector):
+    # The layer data goes over PyNccl, not the TCP socket that recv_start reads.
+    dbo_capable = False
+
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         self.member = 1 + ctx.rank % ctx.config.attention_ranks_per_ffn
@@ -73,6 +76,8 @@ class NCCLAttentionConnector(TCPAttentionConnector):
 
 
 class NCCLFFNConnector(TCPFFNConnector):
+    dbo_capable = False
+
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         self.comm = None

@@ -145,6 +145,7 @@ def _auth_token(secret: str | None, payload: dict) -> str:
 
 
 class TCPAttentionConnector(AttentionConnector):
+    dbo_capable = True
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         cfg = ctx.config
@@ -353,6 +354,7 @@ class _Peer:
 
 
 class TCPFFNConnector(FFNConnector):
+    dbo_capable = True
     # A rank that had a step within ACTIVE_S is waited for (up to the batch
     # window, connector_extra_config.batch_window_ms, default 5) to join a step.
     ACTIVE_S = 1.0
