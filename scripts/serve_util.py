@@ -224,13 +224,14 @@ def internal_port_base() -> int:
     (torch.distributed, ZMQ). Without it vLLM takes ephemeral ports it checked a moment
     earlier, and a concurrent client connection can take the same port in between
     (EADDRINUSE at ``init_process_group``). Bases lie below the ephemeral range, 100
-    apart, a different one for every server of this process."""
-    rng = random.SystemRandom()
-    while True:
-        base = rng.randrange(20000, 30000, 100)
-        if base not in _PORT_BASES:
-            _PORT_BASES.add(base)
-            return base
+    apart, a different one for each of the last 100 servers of this process (then
+    they are handed out again: vLLM skips a port that is taken)."""
+    bases = range(20000, 30000, 100)
+    if len(_PORT_BASES) >= len(bases):
+        _PORT_BASES.clear()
+    base = random.SystemRandom().choice([b for b in bases if b not in _PORT_BASES])
+    _PORT_BASES.add(base)
+    return base
 
 
 # ---------------------------------------------------------------------------- processes

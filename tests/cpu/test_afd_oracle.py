@@ -56,6 +56,9 @@ def free_port(n: int = 1) -> int:
 def env_for(model: Path) -> dict:
     env = dict(os.environ)
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    # vLLM's internal ports (torch.distributed) from a base of this process's own,
+    # below the ephemeral range: not raced by the other engine's bind(0) or connects.
+    env["VLLM_PORT"] = str(su.internal_port_base())
     if "deepseek" in model.name:
         env["VLLM_MLA_DISABLE"] = "1"
     return env

@@ -381,35 +381,6 @@ def test_ffn_port_in_ephemeral_range_is_warned(net, monkeypatch):
     assert not [w for w in warnings if "ephemeral" in w], warnings
 
 
-def test_free_ports_lie_below_the_ephemeral_range():
-    import serve_util as su
-
-    lo = su.ephemeral_port_range()[0]
-    seen = set()
-    for _ in range(20):
-        (p,) = su.free_ports(1)
-        assert su.LISTEN_WINDOW_START <= p < lo
-        seen.add(p)
-    assert len(seen) == 20  # never handed out twice
-    base = su.free_ports(3, consecutive=True)[0]
-    ports = su.free_ports(4)
-    assert len(set(ports)) == 4 and not set(ports) & set(range(base, base + 3))
-    for p in [*range(base, base + 3), *ports]:
-        with socket.socket() as s:
-            s.bind((HOST, p))  # free
-
-
-def test_free_ports_fall_back_to_the_kernel_without_room(monkeypatch):
-    import serve_util as su
-
-    monkeypatch.setattr(su, "ephemeral_port_range", lambda: (su.LISTEN_WINDOW_START + 4, 60999))
-    base = su.free_ports(2, consecutive=True)[0]
-    assert base >= su.LISTEN_WINDOW_START + 4
-    with socket.socket() as a, socket.socket() as b:
-        a.bind((HOST, base))
-        b.bind((HOST, base + 1))
-
-
 def test_micro_batched_step_controls(net):
     """DBO: micro-batch 1's control follows micro-batch 0's first layer on the wire;
     the FFN reads it with recv_control."""

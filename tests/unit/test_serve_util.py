@@ -1,0 +1,51 @@
+"""scripts/serve_util.py: the ports tests, the demo and the benchmarks hand to servers."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import serve_util as su  # noqa: E402
+
+HOST = "127.0.0.1"
+
+
+@pytest.mark.skipif(
+    su.ephemeral_port_range()[0] < su.LISTEN_WINDOW_START + 100,
+    reason="this host's ephemeral range leaves no window below it",
+)
+def test_free_ports_lie_below_the_ephemeral_range():
+    lo = su.ephemeral_port_range()[0]
+    seen = set()
+    for _ in range(20):
+        (p,) = su.free_ports(1)
+        assert su.LISTEN_WINDOW_START <= p < lo
+        seen.add(p)
+    assert len(seen) == 20  # never handed out twice
+    base = su.free_ports(3, consecutive=True)[0]
+    ports = su.free_ports(4)
+    assert len(set(ports)) == 4 and not set(ports) & set(range(base, base + 3))
+    for p in [*range(base, base + 3), *ports]:
+        with socket.socket() as s:
+            s.bind((HOST, p))  # free
+
+
+def test_free_ports_fall_back_to_the_kernel_without_room(monkeypatch):
+    monkeypatch.setattr(su, "ephemeral_port_range", lambda: (su.LISTEN_WINDOW_START + 4, 60999))
+    base = su.free_ports(2, consecutive=True)[0]
+    assert base >= su.LISTEN_WINDOW_START + 4
+    with socket.socket() as a, socket.socket() as b:
+        a.bind((HOST, base))
+        b.bind((HOST, base + 1))
+
+
+def test_internal_port_bases_differ_for_100_servers_then_cycle(monkeypatch):
+    monkeypatch.setattr(su, "_PORT_BASES", set())
+    bases = [su.internal_port_base() for _ in range(250)]
+    assert all(20000 <= b < 30000 and b % 100 == 0 for b in bases)
+    assert len(set(bases[:100])) == 100 and len(set(bases[100:200])) == 100
+    assert len(set(bases[200:])) == 50
