@@ -2,6 +2,8 @@
 
     # CPU, tiny checkpoint, model routing and balanced routing:
     .venv/bin/python benchmarks/decode.py --model build/models/qwen3_moe --routing both
+    # with the per-layer breakdown of 16 profiled decode steps of each AFD run:
+    .venv/bin/python benchmarks/decode.py --model build/models/qwen3_moe --breakdown 16
     # GPU host, real shapes with dummy weights (config dir of DeepSeek-V2-Lite), AFD on
     # GPUs 0+1 with the device-only connector and FULL decode graphs, batch sweep:
     python benchmarks/decode.py --model CONFIG_DIR --load-format dummy --device cuda \\
@@ -33,6 +35,7 @@ import time
 from pathlib import Path
 
 ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
+BREAKDOWN_DELAY = 3  # profiled run: steps before the profiler starts (prefill included)
 
 
 def free_port() -> int:
@@ -61,6 +64,17 @@ def engine_kwargs(a) -> dict:
         kw["afd_config"] = json.loads(a.afd)
     if a.compilation_config:
         kw["compilation_config"] = json.loads(a.compilation_config)
+    if a.profile_dir:
+        # benchmarks/breakdown.py: traces of the same decode steps on both roles; the
+        # delay skips the profiled run's prefill and first decode steps.
+        kw["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": a.profile_dir,
+            "torch_profiler_with_stack": False,
+            "torch_profiler_use_gzip": True,
+            "delay_iterations": BREAKDOWN_DELAY,
+            "max_iterations": a.breakdown_steps,
+        }
     if a.enable_dbo:
         kw["enable_dbo"] = True
         if a.dbo_threshold is not None:
@@ -95,6 +109,11 @@ def run_generate(a) -> int:
     t_prefill = min(timed(1) for _ in range(a.repeats))
     t_full = min(timed(a.output_len) for _ in range(a.repeats))
     tpot = (t_full - t_prefill) / (a.output_len - 1)
+    if a.profile_dir:
+        # After the timed runs: the profiler slows both roles down.
+        llm.start_profile()
+        timed(BREAKDOWN_DELAY + a.breakdown_steps + 3)
+        llm.stop_profile()
     Path(a.out).write_text(json.dumps({"prefill_s": t_prefill, "full_s": t_full,
                                        "tpot_s": tpot}))
     return 0
@@ -144,6 +163,13 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
         env.pop(ROUTING_ENV, None)
     tag = f"{mode}_{routing}_b{batch}"
     out = work / f"{tag}.json"
+    want_bd = afd and a.breakdown_steps > 0
+    if want_bd and mode == "afd_dbo" and a.device == "cpu":
+        # The exchanges run in the CPU micro-batch threads, which the torch profiler
+        # (thread-local) does not record: benchmarks/breakdown.py could not see them.
+        print(f"  {tag}: no breakdown for DBO on the CPU (the profiler does not record the "
+              "micro-batch threads); timings only", flush=True)
+        want_bd = False
     ffn = None
     args = [*base_args, "--out", str(out)]
     try:
@@ -167,11 +193,20 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
                 else:
                     ffn_env["CUDA_VISIBLE_DEVICES"] = ffn_gpu
                     env["CUDA_VISIBLE_DEVICES"] = att
-            ffn = child(a, "ffn", [*base_args, "--afd", json.dumps({"role": "ffn", **cfg})],
-                        ffn_env, work / f"{tag}_ffn.log")
+            ffn_args = [*base_args, "--afd", json.dumps({"role": "ffn", **cfg})]
+            if want_bd:
+                traces = Path(a.trace_dir) if a.trace_dir else work
+                ffn_args += ["--profile-dir", str(traces / f"{tag}_trace_ffn"),
+                             "--breakdown", str(a.breakdown_steps)]
+                args += ["--profile-dir", str(traces / f"{tag}_trace_attention"),
+                         "--breakdown", str(a.breakdown_steps)]
+            ffn = child(a, "ffn", ffn_args, ffn_env, work / f"{tag}_ffn.log")
             args += ["--afd", json.dumps({"role": "attention", **cfg})]
             if mode == "afd_dbo":
                 args.append("--enable-dbo")
+            if want_bd:
+                # vLLM's own step spans ("gpu_model_runner: forward") delimit the steps.
+                env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
         elif a.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = a.attention_gpu
         gen = child(a, "generate", args, env, work / f"{tag}.log")
@@ -185,7 +220,10 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
             extra = f"\n--- FFN ---\n{tail(work / f'{tag}_ffn.log')}" if afd else ""
             raise SystemExit(f"{tag}: generation failed (rc={rc})\n"
                              + tail(work / f"{tag}.log") + extra)
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        if want_bd:
+            result["breakdown"] = run_breakdown(Path(a.trace_dir) if a.trace_dir else work, tag)
+        return result
     finally:
         if ffn is not None:
             ffn.terminate()
@@ -193,6 +231,25 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
                 ffn.wait(30)
             except subprocess.TimeoutExpired:
                 ffn.kill()
+
+
+def run_breakdown(work: Path, tag: str, timeout: float = 120.0) -> dict:
+    """Parse the two roles' traces of one AFD run (benchmarks/breakdown.py). The FFN rank
+    writes its trace when its profiler stops; wait for it to be complete."""
+    import breakdown as bd
+
+    att, ffn = work / f"{tag}_trace_attention", work / f"{tag}_trace_ffn"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = bd.breakdown(att, ffn)
+            break
+        except bd.TraceError as e:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{tag}: no breakdown: {e}") from None
+            time.sleep(1.0)
+    print(bd.format_report(r), flush=True)
+    return bd.as_json(r)
 
 
 def main() -> int:
@@ -224,14 +281,22 @@ def main() -> int:
     p.add_argument("--attention-cpus", help="CPU: cores of the AFD attention rank, e.g. '0' "
                    "(VLLM_CPU_OMP_THREADS_BIND; plain vLLM keeps the default)")
     p.add_argument("--ffn-cpus", help="CPU: cores of the AFD FFN rank, e.g. '1'")
+    p.add_argument("--breakdown", type=int, default=0, metavar="STEPS", dest="breakdown_steps",
+                   help="AFD modes: after the timings, profile STEPS decode steps on both "
+                   "roles and print the per-layer breakdown (benchmarks/breakdown.py)")
+    p.add_argument("--trace-dir", help="--breakdown: keep the traces here (default: a "
+                   "temporary directory)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--_role", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--afd", help=argparse.SUPPRESS)
+    p.add_argument("--profile-dir", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.output_len < 2:
         p.error("--output-len must be at least 2")
+    if a.breakdown_steps < 0 or a.breakdown_steps == 1:
+        p.error("--breakdown needs at least 2 steps")
     if a._role == "generate":
         return run_generate(a)
     if a._role == "ffn":
@@ -289,6 +354,17 @@ def main() -> int:
                 ratio = f"{t / pl:6.2f}x" if pl else "-"
                 print(f"{batch:5d} {routing:9s} {mode:8s} {t * 1e3:8.2f} {batch / t:9.1f}   "
                       f"{ratio}")
+    with_bd = [r for r in results if "breakdown" in r]
+    if with_bd:
+        print("\nper-layer breakdown (us per step; benchmarks/breakdown.py): attention, FFN "
+              "compute, transfer, bound = max(attention, FFN) + transfer, profiled step, gap")
+        for r in with_bd:
+            c = r["breakdown"]["combined_us"]
+            layers = r["breakdown"]["attention"]["layers_per_step"]
+            print(f"{r['batch']:5d} {r['routing']:9s} {r['mode']:8s} attention "
+                  f"{c['attention']:9.1f}  FFN {c['ffn compute']:9.1f}  transfer "
+                  f"{c['transfer']:8.1f}  bound {c['bound']:9.1f}  step {c['step']:9.1f}  "
+                  f"gap {c['gap %']:5.1f}%  ({layers:g} exchanges/step)")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     return 0

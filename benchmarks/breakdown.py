@@ -1,0 +1,361 @@
+"""Per-layer breakdown of AFD decode steps from torch profiler traces of both roles.
+
+    python benchmarks/breakdown.py --attention ATTN_TRACE_DIR --ffn FFN_TRACE_DIR
+
+(``benchmarks/decode.py --breakdown`` records the traces and runs this.) Both directories
+hold the Chrome traces that vLLM's torch profiler writes (``*.pt.trace.json[.gz]``; the FFN
+rank's is named ``afd-ffn-rank<f>``), recorded over the same decode steps. The attention
+server must run with ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``: its steps are delimited by
+vLLM's ``gpu_model_runner: forward`` spans, which vLLM records only then.
+
+Per role, per step (then per remote layer: the step's figure over its layer count):
+
+attention role
+    ``step``: period of the attention's forward passes (start to next start, complete
+    steps only: everything the engine does per step, scheduling and sampling included).
+    ``send``: handing the layers' FFN inputs (and router logits) to the connector.
+    ``wait``: blocked until the FFN outputs arrived (FFN compute + transfer back + any
+    FFN-side delay). ``attention``: the rest of the step: attention layers, norms,
+    embedding, LM head, sampling, scheduler, host overhead. With DBO the micro-batch
+    hand-overs (time the other micro-batch runs) are not counted as waiting.
+FFN role
+    ``compute``: the FFN blocks; ``recv``: receiving the inputs (includes waiting for the
+    attention to send them); ``send``: sending the outputs; ``idle``: between steps.
+
+On a GPU the figures come from the device timeline when the trace has one (kernels and
+copies, CUDA graphs included): the cuda_ipc connector's wait kernel is ``wait`` (``recv``
+on the FFN rank), its copies and signal/control kernels are the transfer, other kernels
+are compute, gaps with no device work are ``device idle``. On the CPU (and for host-staged
+connectors) they come from the ``afd.*`` annotations of vllm/afd (``afd.send``,
+``afd.ffn_wait``, ``afd.recv``, ``afd.ffn_compute``, ``afd.ffn_step``).
+
+The bound the GPU issue asks about: ``max(attention, FFN compute) + transfer``, with
+transfer = attention ``send`` + FFN ``send``; the gap is ``step - bound``. Without DBO a
+step is serial (attention + wait), so the gap is about ``min(attention, FFN compute)``:
+what overlap could win at most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORWARD = "gpu_model_runner: forward"
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+WAIT_KERNELS = ("_wait_kernel",)
+SIGNAL_KERNELS = ("_signal_kernel", "_control_kernel")
+
+
+class TraceError(RuntimeError):
+    pass
+
+
+def find_trace(path: Path, role: str) -> Path:
+    """The newest trace file under ``path`` (a file is taken as it is)."""
+    if path.is_file():
+        return path
+    files = sorted(
+        (p for p in path.rglob("*") if p.name.endswith((".pt.trace.json", ".pt.trace.json.gz"))),
+        key=lambda p: p.stat().st_mtime,
+    )
+    if role == "ffn":
+        ffn = [p for p in files if "afd-ffn" in p.name]
+        files = ffn or files
+    if not files:
+        raise TraceError(f"no torch profiler trace (*.pt.trace.json[.gz]) under {path}")
+    return files[-1]
+
+
+def load_trace(path: Path) -> tuple[list[dict], float]:
+    """Complete events ("ph": "X") of a trace and its time base in microseconds
+    (``baseTimeNanoseconds``: traces of one host share it, so their times compare)."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot read trace {path}: {e}") from e
+    events = data.get("traceEvents", data) if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise TraceError(f"{path}: no traceEvents list")
+    base = float(data.get("baseTimeNanoseconds", 0)) / 1e3 if isinstance(data, dict) else 0.0
+    events = [
+        e
+        for e in events
+        if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e and "dur" in e
+    ]
+    return events, base
+
+
+def _spans(events: list[dict], name: str, device: bool = False) -> list[tuple[float, float]]:
+    cat = "gpu_user_annotation" if device else "user_annotation"
+    return sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in events
+        if e.get("name") == name and e.get("cat") == cat
+    )
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def _sum_in(spans: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    return sum(_overlap(s, window) for s in spans)
+
+
+def _count_in(spans: list[tuple[float, float]], window: tuple[float, float]) -> int:
+    return sum(1 for s in spans if window[0] <= s[0] < window[1])
+
+
+def _union_in(spans: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    total, end = 0.0, window[0]
+    for s, e in sorted(spans):
+        s, e = max(s, end, window[0]), min(e, window[1])
+        if e > s:
+            total += e - s
+            end = e
+    return total
+
+
+def _classify(e: dict) -> str:
+    name = str(e.get("name", ""))
+    if e.get("cat") == "kernel":
+        if any(k in name for k in WAIT_KERNELS):
+            return "wait"
+        if any(k in name for k in SIGNAL_KERNELS):
+            return "transfer"
+        return "compute"
+    return "transfer"  # copies and memsets
+
+
+def _device_kernels(events: list[dict], names: tuple[str, ...]):
+    for e in events:
+        if e.get("cat") == "kernel" and any(k in str(e.get("name", "")) for k in names):
+            yield (float(e["ts"]), float(e["ts"]) + float(e["dur"])), e
+
+
+def _device(events: list[dict]) -> dict[str, list[tuple[float, float]]] | None:
+    """Device intervals by category, None when the trace has no device timeline."""
+    per_cat: dict[str, list[tuple[float, float]]] = {"compute": [], "transfer": [], "wait": []}
+    found = False
+    for e in events:
+        if e.get("cat") in DEVICE_CATS:
+            found = True
+            per_cat[_classify(e)].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    return per_cat if found else None
+
+
+@dataclass
+class RoleFigures:
+    """Mean microseconds per step of each category, over ``steps`` complete steps."""
+
+    role: str
+    source: str  # "device" or "host"
+    steps: int
+    layers: float  # remote layer exchanges per step (x micro-batches with DBO)
+    per_step: dict[str, float] = field(default_factory=dict)
+    windows: list[tuple[float, float]] = field(default_factory=list)
+
+
+def _windows(starts: list[float]) -> list[tuple[float, float]]:
+    return [(starts[i], starts[i + 1]) for i in range(len(starts) - 1)]
+
+
+def _mean_in(spans: list[tuple[float, float]], wins: list[tuple[float, float]]) -> float:
+    return sum(_sum_in(spans, w) for w in wins) / len(wins)
+
+
+def _device_figures(per_cat, wins, names: tuple[str, str, str]) -> dict[str, float]:
+    compute, send, wait = names
+    fig = {
+        "step": statistics.fmean(b - a for a, b in wins),
+        compute: _mean_in(per_cat["compute"], wins),
+        send: _mean_in(per_cat["transfer"], wins),
+        wait: _mean_in(per_cat["wait"], wins),
+    }
+    busy = [iv for ivs in per_cat.values() for iv in ivs]
+    fig["device idle"] = fig["step"] - sum(_union_in(busy, w) for w in wins) / len(wins)
+    return fig
+
+
+def attention_figures(events: list[dict]) -> RoleFigures:
+    forwards = _spans(events, FORWARD)
+    if len(forwards) < 2:
+        raise TraceError(
+            f"attention trace: {len(forwards)} '{FORWARD}' span(s); need at least 2 "
+            "forward passes (run the attention server with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 "
+            "and profile more decode steps)"
+        )
+    wins = _windows([s for s, _ in forwards])
+    per_cat = _device(events)
+    if per_cat is not None:
+        # A forward's launches run on the device a little later: windows are the device
+        # extent of the forward spans where the trace has them. One wait kernel per
+        # layer exchange (host spans of DBO micro-batch threads may be missing, below).
+        dwins = _windows([s for s, _ in _spans(events, FORWARD, device=True)]) or wins
+        waits = [iv for iv, e in _device_kernels(events, WAIT_KERNELS)]
+        layers = sum(_count_in(waits, w) for w in dwins) / len(dwins)
+        fig = _device_figures(per_cat, dwins, ("attention", "send", "wait"))
+        return RoleFigures("attention", "device", len(dwins), layers, fig, dwins)
+    send = _spans(events, "afd.send")
+    if not any(_count_in(send, w) for w in wins):
+        raise TraceError(
+            f"attention trace: {len(forwards)} forward passes but no 'afd.send' span in "
+            "them. Is this an AFD attention server? With --enable-dbo on the CPU the "
+            "exchanges run in the micro-batch threads, which the torch profiler does not "
+            "record (it records the thread that started it): no host breakdown for DBO"
+        )
+    layers = sum(_count_in(send, w) for w in wins) / len(wins)
+    fig = {
+        "step": statistics.fmean(b - a for a, b in wins),
+        "send": _mean_in(send, wins),
+        "wait": _mean_in(_spans(events, "afd.ffn_wait"), wins),
+    }
+    fig["attention"] = fig["step"] - fig["send"] - fig["wait"]
+    return RoleFigures("attention", "host", len(wins), layers, fig, wins)
+
+
+def ffn_figures(
+    events: list[dict], windows: list[tuple[float, float]] | None = None
+) -> RoleFigures:
+    """The FFN rank's figures over ``windows`` (the attention's steps, in this trace's
+    time), or else over its own steps: from one served step's start to the next."""
+    steps = _spans(events, "afd.ffn_step")
+    if len(steps) < 2:
+        raise TraceError(
+            f"FFN trace: {len(steps)} 'afd.ffn_step' span(s); need at least 2 served steps "
+            "(did the FFN server run with --profiler-config and serve profiled steps?)"
+        )
+    own = _windows([s for s, _ in steps])
+    wins = windows or own
+    served = sum(_count_in(steps, w) for w in wins)
+    if served == 0:
+        raise TraceError(
+            "FFN trace: no served step lies within the attention's profiled steps: were "
+            "both traces recorded over the same steps, on one host (one time base)?"
+        )
+    compute = _spans(events, "afd.ffn_compute")
+    layers = sum(_count_in(compute, w) for w in wins) / served
+    per_cat = _device(events)
+    if per_cat is not None:
+        dwins = windows or _windows([s for s, _ in _spans(events, "afd.ffn_step", True)]) or own
+        waits = [iv for iv, e in _device_kernels(events, WAIT_KERNELS)]
+        layers = sum(_count_in(waits, w) for w in dwins) / len(dwins)
+        fig = _device_figures(per_cat, dwins, ("compute", "send", "recv"))
+        return RoleFigures("ffn", "device", len(dwins), layers, fig, dwins)
+    if _spans(events, "afd.ffn_graph_replay") and not compute:
+        raise TraceError(
+            "FFN trace: the steps were CUDA graph replays and the trace has no device "
+            "timeline; profile with CUDA activities, or turn the FFN graphs off "
+            '(connector_extra_config {"ffn_cuda_graphs": false})'
+        )
+    fig = {
+        "step": statistics.fmean(b - a for a, b in wins),
+        "compute": _mean_in(compute, wins),
+        "recv": _mean_in(_spans(events, "afd.recv"), wins),
+        "send": _mean_in(_spans(events, "afd.send"), wins),
+    }
+    fig["idle"] = fig["step"] - fig["compute"] - fig["recv"] - fig["send"]
+    return RoleFigures("ffn", "host", len(wins), layers, fig, wins)
+
+
+def combine(att: RoleFigures, ffn: RoleFigures) -> dict[str, float]:
+    """Step time, the bound max(attention, FFN compute) + transfer, and the gap (us)."""
+    a, f = att.per_step, ffn.per_step
+    transfer = a["send"] + f["send"]
+    bound = max(a["attention"], f["compute"]) + transfer
+    return {
+        "step": a["step"],
+        "attention": a["attention"],
+        "ffn compute": f["compute"],
+        "transfer": transfer,
+        "bound": bound,
+        "gap": a["step"] - bound,
+        "gap %": 100.0 * (a["step"] - bound) / bound if bound > 0 else float("nan"),
+    }
+
+
+def breakdown(attention: Path, ffn: Path) -> dict:
+    """Both roles over the attention's profiled steps. Where the traces share a time
+    base (one host) the FFN figures cover the same wall-clock windows; otherwise the
+    FFN rank's own steps (idle then includes any time outside the attention's steps)."""
+    att_ev, att_base = load_trace(find_trace(attention, "attention"))
+    ffn_ev, ffn_base = load_trace(find_trace(ffn, "ffn"))
+    att = attention_figures(att_ev)
+    shift = att_base - ffn_base  # attention time + shift = FFN trace time
+    wins = [(a + shift, b + shift) for a, b in att.windows]
+    try:
+        ff = ffn_figures(ffn_ev, wins)
+        same = True
+    except TraceError as e:
+        if "no served step" not in str(e):
+            raise
+        ff = ffn_figures(ffn_ev)
+        same = False
+    return {"attention": att, "ffn": ff, "combined": combine(att, ff), "same_windows": same}
+
+
+def _fmt_role(rf: RoleFigures) -> list[str]:
+    per_layer = rf.layers or 1.0
+    lines = [
+        f"{rf.role} ({rf.source} timeline): {rf.steps} steps, {rf.layers:g} layer exchanges "
+        "per step; us per step | per layer exchange"
+    ]
+    for k, v in rf.per_step.items():
+        lines.append(f"  {k:12s} {v:10.1f} | {v / per_layer:9.2f}")
+    return lines
+
+
+def format_report(r: dict) -> str:
+    lines = [*_fmt_role(r["attention"]), *_fmt_role(r["ffn"])]
+    if not r["same_windows"]:
+        lines.append("  (the traces do not share a time base: FFN figures over its own steps)")
+    c = r["combined"]
+    lines.append(
+        f"step {c['step']:.1f} us; bound max(attention {c['attention']:.1f}, FFN compute "
+        f"{c['ffn compute']:.1f}) + transfer {c['transfer']:.1f} = {c['bound']:.1f} us; "
+        f"gap {c['gap']:.1f} us ({c['gap %']:.1f}% over the bound)"
+    )
+    return "\n".join(lines)
+
+
+def as_json(r: dict) -> dict:
+    out = {}
+    for k in ("attention", "ffn"):
+        rf = r[k]
+        out[k] = {
+            "source": rf.source,
+            "steps": rf.steps,
+            "layers_per_step": rf.layers,
+            "us_per_step": rf.per_step,
+        }
+    out["combined_us"] = r["combined"]
+    out["same_windows"] = r["same_windows"]
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--attention", required=True, type=Path, help="attention trace dir or file")
+    p.add_argument("--ffn", required=True, type=Path, help="FFN trace dir or file")
+    p.add_argument("--json", type=Path, help="write the figures here")
+    a = p.parse_args()
+    try:
+        r = breakdown(a.attention, a.ffn)
+    except TraceError as e:
+        print(f"breakdown: {e}", file=sys.stderr)
+        return 2
+    print(format_report(r))
+    if a.json:
+        a.json.write_text(json.dumps(as_json(r), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""benchmarks/decode.py --breakdown on the CPU: both roles' traces of the same decode steps
+are recorded and parsed into the per-layer breakdown (benchmarks/breakdown.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu_e2e
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+
+
+def test_decode_breakdown_of_profiled_steps(models_dir, tmp_path):
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "decode.py"),
+           "--model", str(models_dir / "qwen3_moe"), "--batch", "4", "--input-len", "8",
+           "--output-len", "8", "--repeats", "1", "--modes", "afd", "--breakdown", str(STEPS),
+           "--json", str(out), "--timeout", "400"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["results"]
+    bd = r["breakdown"]
+    att, ffn, c = bd["attention"], bd["ffn"], bd["combined_us"]
+    assert att["source"] == ffn["source"] == "host"
+    # The attention's profiler ran STEPS steps: STEPS - 1 complete periods (one of slack
+    # for where its first span falls); the FFN figures cover the same periods.
+    assert STEPS - 2 <= att["steps"] <= STEPS - 1, att
+    assert ffn["steps"] == att["steps"], ffn
+    # qwen3_moe has 3 remote FFN layers (layer 0 dense included)
+    assert att["layers_per_step"] == 3 and ffn["layers_per_step"] == 3
+    a, f = att["us_per_step"], ffn["us_per_step"]
+    assert min(a["send"], a["wait"], a["attention"], f["compute"], f["send"]) > 0, bd
+    # Both roles over the same wall-clock steps (one host, one time base).
+    assert bd["same_windows"] and f["step"] == pytest.approx(a["step"])
+    assert c["bound"] == pytest.approx(max(a["attention"], f["compute"]) + a["send"] + f["send"])
+    assert "per-layer breakdown" in p.stdout and "over the bound" in p.stdout, p.stdout[-2000:]

@@ -1,0 +1,202 @@
+"""benchmarks/breakdown.py on synthetic torch profiler traces (host and device timelines)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import breakdown as bd  # noqa: E402
+
+
+def X(name, ts, dur, cat="user_annotation", tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def attention_host(steps=4, period=1000.0, layers=2, send=50.0, wait=200.0):
+    ev = []
+    for i in range(steps):
+        t = i * period
+        ev.append(X(bd.FORWARD, t, period * 0.9))
+        for j in range(layers):
+            s = t + 100 + j * 300
+            ev.append(X("afd.send", s, send))
+            ev.append(X("afd.ffn_wait", s + send, wait))
+            ev.append(X("aten::mm", s - 50, 40, cat="cpu_op"))  # not an AFD span
+    return ev
+
+
+def ffn_host(steps=4, period=1000.0, layers=2, recv=120.0, compute=150.0, send=30.0):
+    ev = []
+    for i in range(steps):
+        t = i * period
+        ev.append(X("afd.wait_step", t - 100, 100))
+        ev.append(X("afd.ffn_step", t, layers * (recv + compute + send)))
+        for j in range(layers):
+            s = t + j * (recv + compute + send)
+            ev.append(X("afd.recv", s, recv))
+            ev.append(X("afd.ffn_compute", s + recv, compute))
+            ev.append(X("afd.send", s + recv + compute, send))
+    return ev
+
+
+def test_host_attention_figures():
+    f = bd.attention_figures(attention_host())
+    assert f.source == "host" and f.steps == 3 and f.layers == 2
+    assert f.per_step["step"] == pytest.approx(1000.0)
+    assert f.per_step["send"] == pytest.approx(100.0)
+    assert f.per_step["wait"] == pytest.approx(400.0)
+    assert f.per_step["attention"] == pytest.approx(500.0)
+
+
+def test_host_ffn_figures():
+    f = bd.ffn_figures(ffn_host())
+    assert f.source == "host" and f.steps == 3 and f.layers == 2
+    assert f.per_step["compute"] == pytest.approx(300.0)
+    assert f.per_step["recv"] == pytest.approx(240.0)
+    assert f.per_step["send"] == pytest.approx(60.0)
+    assert f.per_step["idle"] == pytest.approx(1000.0 - 600.0)
+
+
+def test_combined_bound_and_gap():
+    att = bd.attention_figures(attention_host())
+    ffn = bd.ffn_figures(ffn_host())
+    c = bd.combine(att, ffn)
+    # max(attention 500, FFN 300) + transfer (100 out + 60 back)
+    assert c["bound"] == pytest.approx(660.0)
+    assert c["gap"] == pytest.approx(340.0)
+    assert c["gap %"] == pytest.approx(100 * 340 / 660)
+
+
+def test_dbo_hand_overs_are_not_waiting():
+    """Two micro-batch threads: a thread's hand-over spans the other's work."""
+    ev = []
+    for i in range(3):
+        t = i * 1000.0
+        ev.append(X(bd.FORWARD, t, 900))
+        # ubatch 0 sends, yields while ubatch 1 computes and sends, then waits
+        ev += [X("afd.send", t + 100, 20, tid=1), X("afd.ubatch_yield", t + 120, 300, tid=1),
+               X("afd.send", t + 400, 20, tid=2), X("afd.ffn_wait", t + 420, 50, tid=1),
+               X("afd.ubatch_yield", t + 420, 200, tid=2), X("afd.ffn_wait", t + 620, 80, tid=2)]
+    f = bd.attention_figures(ev)
+    assert f.layers == 2
+    assert f.per_step["wait"] == pytest.approx(130.0)
+    assert f.per_step["send"] == pytest.approx(40.0)
+    assert f.per_step["attention"] == pytest.approx(1000.0 - 170.0)
+
+
+def device_trace(role: str, steps=4, period=1000.0):
+    """Host spans plus a device timeline 30 us later: per step, compute 400, a copy 50,
+    a signal kernel 10, a wait kernel 300; the rest of the period has no device work."""
+    ev = []
+    step = bd.FORWARD if role == "attention" else "afd.ffn_step"
+    for i in range(steps):
+        t = i * period
+        ev.append(X(step, t, 800))
+        ev.append(X(step, t + 30, 790, cat="gpu_user_annotation"))
+        if role == "attention":
+            ev.append(X("afd.send", t + 10, 5))
+        else:
+            ev.append(X("afd.ffn_graph_replay", t + 5, 5))
+        d = t + 30
+        ev += [X("void fused_moe_kernel<...>", d, 400, cat="kernel"),
+               X("Memcpy PtoP (Device -> Device)", d + 400, 50, cat="gpu_memcpy"),
+               X("_signal_kernel", d + 450, 10, cat="kernel"),
+               X("_wait_kernel", d + 460, 300, cat="kernel")]
+    return ev
+
+
+@pytest.mark.parametrize("role", ["attention", "ffn"])
+def test_device_timeline_wins_over_host_spans(role):
+    f = (bd.attention_figures if role == "attention" else bd.ffn_figures)(device_trace(role))
+    assert f.source == "device" and f.steps == 3
+    assert f.layers == 1
+    compute, waited = ("attention", "wait") if role == "attention" else ("compute", "recv")
+    assert f.per_step["step"] == pytest.approx(1000.0)
+    assert f.per_step[compute] == pytest.approx(400.0)
+    assert f.per_step["send"] == pytest.approx(60.0)
+    assert f.per_step[waited] == pytest.approx(300.0)
+    assert f.per_step["device idle"] == pytest.approx(240.0)
+
+
+def test_graph_replays_without_a_device_timeline_are_refused():
+    ev = [X("afd.ffn_step", i * 100.0, 50) for i in range(3)]
+    ev += [X("afd.ffn_graph_replay", i * 100.0 + 1, 40) for i in range(3)]
+    with pytest.raises(bd.TraceError, match="CUDA graph replays"):
+        bd.ffn_figures(ev)
+
+
+def test_too_few_steps_say_what_is_missing():
+    with pytest.raises(bd.TraceError, match="1 'gpu_model_runner: forward' span"):
+        bd.attention_figures(attention_host(steps=1))
+    # CPU DBO: the exchanges ran in micro-batch threads the profiler did not record
+    forwards_only = [e for e in attention_host() if e["name"] == bd.FORWARD]
+    with pytest.raises(bd.TraceError, match="micro-batch threads"):
+        bd.attention_figures(forwards_only)
+    with pytest.raises(bd.TraceError, match="0 'afd.ffn_step' span"):
+        bd.ffn_figures(attention_host())
+
+
+def test_ffn_figures_cover_the_attention_steps_only():
+    """Shared time base: the FFN's idle tail after the run and a later step are outside
+    the attention's profiled steps and do not count."""
+    ev = ffn_host()
+    ev += [X("afd.wait_step", 3700.0, 400000), X("afd.ffn_step", 404000.0, 600),
+           X("afd.ffn_compute", 404100.0, 300)]
+    own = bd.ffn_figures(ev)
+    assert own.per_step["idle"] > 100000  # the tail spoils the FFN's own windows
+    att = bd.attention_figures(attention_host())
+    f = bd.ffn_figures(ev, att.windows)
+    assert f.steps == 3 and f.layers == 2
+    assert f.per_step["compute"] == pytest.approx(300.0)
+    assert f.per_step["idle"] == pytest.approx(400.0)
+
+
+def _write(path: Path, events, base_ns=None):
+    data = {"traceEvents": events}
+    if base_ns is not None:
+        data["baseTimeNanoseconds"] = base_ns
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+
+
+def test_time_bases_align_the_two_traces(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "f").mkdir()
+    _write(tmp_path / "a" / "w.pt.trace.json.gz", attention_host(), base_ns=5_000_000)
+    # the FFN trace's base is 2000 us later: its times are 2000 us smaller
+    shifted = [dict(e, ts=e["ts"] - 2000.0) for e in ffn_host()]
+    shifted += [X("afd.ffn_step", 50000.0, 600), X("afd.ffn_compute", 50100.0, 5000)]
+    _write(tmp_path / "f" / "afd-ffn-rank0.pt.trace.json.gz", shifted, base_ns=7_000_000)
+    r = bd.breakdown(tmp_path / "a", tmp_path / "f")
+    assert r["same_windows"]
+    assert r["ffn"].per_step["compute"] == pytest.approx(300.0)
+    # no overlap at all (another host's clock): the FFN's own steps, said in the report
+    _write(tmp_path / "f" / "afd-ffn-rank0.pt.trace.json.gz", ffn_host(), base_ns=9e15)
+    r = bd.breakdown(tmp_path / "a", tmp_path / "f")
+    assert not r["same_windows"] and r["ffn"].per_step["compute"] == pytest.approx(300.0)
+    assert "do not share a time base" in bd.format_report(r)
+
+
+def test_trace_files_found_and_read(tmp_path):
+    att, ffn = tmp_path / "att", tmp_path / "ffn"
+    att.mkdir()
+    ffn.mkdir()
+    with gzip.open(att / "host_worker.1.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": attention_host()}, f)
+    (ffn / "other.pt.trace.json").write_text(json.dumps({"traceEvents": []}))
+    (ffn / "afd-ffn-rank0.1.pt.trace.json").write_text(json.dumps({"traceEvents": ffn_host()}))
+    assert bd.find_trace(ffn, "ffn").name.startswith("afd-ffn-rank0")
+    r = bd.breakdown(att, ffn)
+    assert r["combined"]["bound"] == pytest.approx(660.0)
+    text = bd.format_report(r)
+    assert "gap 340.0 us" in text and "attention (host timeline): 3 steps" in text
+    assert json.loads(json.dumps(bd.as_json(r)))["ffn"]["us_per_step"]["compute"] == 300.0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(bd.TraceError, match="no torch profiler trace"):
+        bd.breakdown(att, empty)
