@@ -24,13 +24,32 @@ python3 -c "import vllm, importlib.metadata as m; print('import vllm ->', vllm._
   | tail -1 | tee "$OUT/version.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/version.log"
 rm -rf /tmp/afd-gpu-pt
-# GPU_TESTS: pytest selection (default: all GPU tests); LOG: name of this run's log files.
+# GPU_TESTS: pytest selection (default: all GPU tests; "none" skips them); LOG: name of
+# this run's log files.
 LOG=${LOG:-gpu_tests}
-# shellcheck disable=SC2086
-AFD_MODELS_DIR=$PWD/build/models timeout "${GPU_TEST_TIMEOUT:-480}" \
-  python3 -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -s -p no:cacheprovider \
-  --basetemp=/tmp/afd-gpu-pt-$LOG > "$OUT/$LOG.log" 2>&1
-rc=$?
-grep -E "^ORACLE|PASSED|FAILED|ERROR|passed|failed" "$OUT/$LOG.log" | tail -40
-tar czf "$OUT/$LOG-engine-logs.tgz" -C /tmp "afd-gpu-pt-$LOG" 2>/dev/null
+rc=0
+if [ "${GPU_TESTS:-}" != "none" ]; then
+  # shellcheck disable=SC2086
+  AFD_MODELS_DIR=$PWD/build/models timeout "${GPU_TEST_TIMEOUT:-480}" \
+    python3 -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -s -p no:cacheprovider \
+    --basetemp=/tmp/afd-gpu-pt-$LOG > "$OUT/$LOG.log" 2>&1
+  rc=$?
+  grep -E "^ORACLE|PASSED|FAILED|ERROR|passed|failed" "$OUT/$LOG.log" | tail -40
+  tar czf "$OUT/$LOG-engine-logs.tgz" -C /tmp "afd-gpu-pt-$LOG" 2>/dev/null
+fi
+# BENCH_ARGS: arguments of benchmarks/decode.py on DeepSeek-V2-Lite shapes (dummy weights),
+# e.g. "--batches 16,64,256 --modes plain,afd --connector cuda_ipc --breakdown 16
+# --compilation-config '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'"; figures and the
+# breakdown to $OUT/bench-$LOG.{log,json}.
+if [ -n "${BENCH_ARGS:-}" ]; then
+  python3 benchmarks/make_shape.py --preset deepseek-v2-lite --out /tmp/afd-dsv2-lite \
+    > "$OUT/bench-$LOG.log" 2>&1
+  eval "set -- $BENCH_ARGS"
+  timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/decode.py --model /tmp/afd-dsv2-lite \
+    --load-format dummy --device cuda --dtype bfloat16 "$@" --json "$OUT/bench-$LOG.json" \
+    >> "$OUT/bench-$LOG.log" 2>&1
+  brc=$?
+  tail -40 "$OUT/bench-$LOG.log"
+  [ "$rc" -eq 0 ] && rc=$brc
+fi
 exit $rc

@@ -50,7 +50,7 @@ def procs():
         p.stop()
 
 
-def _env(model: Path, gpu: int, runner: str | None = None) -> dict:
+def _env(model: Path, gpu: int | str, runner: str | None = None) -> dict:
     env = oracle.env_for(model)
     env.pop("VLLM_MLA_DISABLE", None)  # MLA on the GPU
     env.update(CUDA_VISIBLE_DEVICES=str(gpu), VLLM_USE_FLASHINFER_SAMPLER="0")
@@ -103,6 +103,8 @@ CASES = [
 ]
 if torch.cuda.device_count() >= 2:
     CASES.append(("nccl", 1, "eager", None))
+    # FFN rank on GPU 1: inboxes in the other GPU's memory, over NVLink
+    CASES.append(("cuda_ipc", 1, "graphs", "v1"))
 
 _PLAIN: dict[tuple, dict] = {}
 
@@ -132,12 +134,16 @@ def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None) ->
     port = oracle.free_port(3)
     # Device waits give up after timeout_s: keep a broken run short.
     kw = dict(connector=connector, timeout_s=30, **(extra or {}))
+    att_gpu = 0
+    if connector == "cuda_ipc" and ffn_gpu != 0:
+        # Each side must see the other's GPU, its own as device 0.
+        ffn_gpu, att_gpu = f"{ffn_gpu},0", f"0,{ffn_gpu}"
     ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **kw)],
                 model, tmp_path / "ffn.log", ffn_gpu, procs)
     attn = _proc(["attention", "--afd", oracle.afd_json("attention", port, **kw),
                   "--prompts", str(prompts), "--out", str(tmp_path / "afd.json"),
                   *_mode_args(mode)],
-                 model, tmp_path / "attn.log", 0, procs, runner)
+                 model, tmp_path / "attn.log", att_gpu, procs, runner)
     assert attn.wait(START) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
     return json.loads((tmp_path / "afd.json").read_text())
 
