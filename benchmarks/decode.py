@@ -46,6 +46,37 @@ def free_port() -> int:
     return serve_util.free_port()
 
 
+CPUS_ENV = "AFD_BENCH_CPUS"
+
+
+def parse_cpus(spec: str) -> list[int]:
+    """'0', '0-3', '0,2-3' -> CPU ids (each must be one this process may run on)."""
+    cpus: list[int] = []
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ValueError(f"bad CPU list {spec!r} (expected e.g. '0', '0-3', '0,2')") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not set(cpus) <= allowed:
+        raise ValueError(f"CPU list {spec!r} is not within this machine's CPUs {sorted(allowed)}")
+    return cpus
+
+
+def pin_to_cpus(spec: str | None) -> None:
+    """Child roles: run the whole process (threads created later inherit the mask) on
+    these CPUs, with as many OpenMP threads. Before torch is imported. vLLM's own
+    VLLM_CPU_OMP_THREADS_BIND does not apply here: in 0.26.0 it is applied by the
+    multiprocess executor, and these engines run in-process."""
+    if not spec:
+        return
+    cpus = parse_cpus(spec)
+    os.sched_setaffinity(0, cpus)
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+
+
 def engine_kwargs(a) -> dict:
     kw = dict(
         model=a.model,
@@ -181,9 +212,10 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
                 cfg["connector_extra_config"] = json.loads(a.connector_extra)
             ffn_env = dict(env)
             if a.device == "cpu" and a.ffn_cpus:
-                # vLLM's CPU worker binds its OpenMP threads to these cores.
-                ffn_env["VLLM_CPU_OMP_THREADS_BIND"] = a.ffn_cpus
-                env["VLLM_CPU_OMP_THREADS_BIND"] = a.attention_cpus or "auto"
+                # The whole child process (every thread, the FFN serve thread's OpenMP
+                # team included) on these cores; see pin_to_cpus.
+                ffn_env[CPUS_ENV] = a.ffn_cpus
+                env[CPUS_ENV] = a.attention_cpus
             if a.device == "cuda":
                 att, ffn_gpu = a.attention_gpu, a.ffn_gpu
                 if a.connector in ("cuda_ipc", "ipc") and att != ffn_gpu:
@@ -278,9 +310,9 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--attention-gpu", default="0")
     p.add_argument("--ffn-gpu", default="1", help="GPU of the FFN rank ('0' to share one)")
-    p.add_argument("--attention-cpus", help="CPU: cores of the AFD attention rank, e.g. '0' "
-                   "(VLLM_CPU_OMP_THREADS_BIND; plain vLLM keeps the default)")
-    p.add_argument("--ffn-cpus", help="CPU: cores of the AFD FFN rank, e.g. '1'")
+    p.add_argument("--attention-cpus", help="CPU: cores of the AFD attention rank's process, "
+                   "e.g. '0' or '0-3' (plain vLLM keeps all cores)")
+    p.add_argument("--ffn-cpus", help="CPU: cores of the AFD FFN rank's process, e.g. '1'")
     p.add_argument("--breakdown", type=int, default=0, metavar="STEPS", dest="breakdown_steps",
                    help="AFD modes: after the timings, profile STEPS decode steps on both "
                    "roles and print the per-layer breakdown (benchmarks/breakdown.py)")
@@ -297,10 +329,20 @@ def main() -> int:
         p.error("--output-len must be at least 2")
     if a.breakdown_steps < 0 or a.breakdown_steps == 1:
         p.error("--breakdown needs at least 2 steps")
+    if a._role:
+        pin_to_cpus(os.environ.get(CPUS_ENV))
     if a._role == "generate":
         return run_generate(a)
     if a._role == "ffn":
         return run_ffn(a)
+    if bool(a.attention_cpus) != bool(a.ffn_cpus):
+        p.error("--attention-cpus and --ffn-cpus go together")
+    for spec in (a.attention_cpus, a.ffn_cpus):
+        if spec:
+            try:
+                parse_cpus(spec)
+            except ValueError as e:
+                p.error(str(e))
 
     batches = [int(b) for b in a.batches.split(",")] if a.batches else [a.batch]
     if any(b < 1 for b in batches):
