@@ -207,9 +207,10 @@ def attention_figures(events: list[dict]) -> RoleFigures:
     if not any(_count_in(send, w) for w in wins):
         raise TraceError(
             f"attention trace: {len(forwards)} forward passes but no 'afd.send' span in "
-            "them. Is this an AFD attention server? With --enable-dbo on the CPU the "
-            "exchanges run in the micro-batch threads, which the torch profiler does not "
-            "record (it records the thread that started it): no host breakdown for DBO"
+            "them. Is this an AFD attention server? With --enable-dbo the exchanges run in "
+            "the micro-batch threads, which the torch profiler records only when told to "
+            "record all threads (the AFD attention role asks for it where it can: the CPU "
+            "worker's profiler)"
         )
     layers = sum(_count_in(send, w) for w in wins) / len(wins)
     fig = {

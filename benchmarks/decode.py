@@ -195,12 +195,6 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
     tag = f"{mode}_{routing}_b{batch}"
     out = work / f"{tag}.json"
     want_bd = afd and a.breakdown_steps > 0
-    if want_bd and mode == "afd_dbo" and a.device == "cpu":
-        # The exchanges run in the CPU micro-batch threads, which the torch profiler
-        # (thread-local) does not record: benchmarks/breakdown.py could not see them.
-        print(f"  {tag}: no breakdown for DBO on the CPU (the profiler does not record the "
-              "micro-batch threads); timings only", flush=True)
-        want_bd = False
     ffn = None
     args = [*base_args, "--out", str(out)]
     try:

@@ -16,12 +16,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 
 
-def test_decode_breakdown_of_profiled_steps(models_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["afd", "afd_dbo"])
+def test_decode_breakdown_of_profiled_steps(models_dir, tmp_path, mode):
     out = tmp_path / "decode.json"
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "decode.py"),
            "--model", str(models_dir / "qwen3_moe"), "--batch", "4", "--input-len", "8",
-           "--output-len", "8", "--repeats", "1", "--modes", "afd", "--breakdown", str(STEPS),
-           "--json", str(out), "--timeout", "400"]  # fmt: skip
+           "--output-len", "8", "--repeats", "1", "--modes", mode, "--breakdown", str(STEPS),
+           "--dbo-threshold", "2", "--json", str(out), "--timeout", "400"]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (r,) = json.loads(out.read_text())["results"]
@@ -32,8 +33,10 @@ def test_decode_breakdown_of_profiled_steps(models_dir, tmp_path):
     # for where its first span falls); the FFN figures cover the same periods.
     assert STEPS - 2 <= att["steps"] <= STEPS - 1, att
     assert ffn["steps"] == att["steps"], ffn
-    # qwen3_moe has 3 remote FFN layers (layer 0 dense included)
-    assert att["layers_per_step"] == 3 and ffn["layers_per_step"] == 3
+    # qwen3_moe has 3 remote FFN layers (layer 0 dense included); with DBO each goes
+    # once per micro-batch, from the micro-batch threads (recorded: all threads profiled)
+    per_step = 3 * (2 if mode == "afd_dbo" else 1)
+    assert att["layers_per_step"] == per_step and ffn["layers_per_step"] == per_step
     a, f = att["us_per_step"], ffn["us_per_step"]
     assert min(a["send"], a["wait"], a["attention"], f["compute"], f["send"]) > 0, bd
     # Both roles over the same wall-clock steps (one host, one time base).

@@ -140,8 +140,28 @@ def worker_profile_hook(worker, is_start: bool) -> bool:
         return True
     from vllm.afd.attention import CLIENT
 
+    if is_start:
+        _profile_all_threads(worker)
     CLIENT.profile(is_start)
     return False
+
+
+def _profile_all_threads(worker) -> None:
+    """With --enable-dbo the micro-batch threads run the forward passes (their AFD
+    exchanges included), but vLLM's torch profiler records only the thread that
+    starts it. Where the worker's profiler exists and has not started yet (the CPU
+    worker builds it up front), ask it to record every thread."""
+    if not getattr(worker.vllm_config.parallel_config, "enable_dbo", False):
+        return
+    prof = getattr(getattr(worker, "profiler", None), "profiler", None)
+    if prof is None or getattr(prof, "experimental_config", "absent") is not None:
+        return  # none, one that sets its own config, or a torch without the field
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        prof.experimental_config = _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError) as e:  # an older torch: traces lack the threads
+        logger.warning("AFD: cannot record the DBO micro-batch threads in traces: %s", e)
 
 
 _ENGINE_DIED = False
