@@ -146,6 +146,7 @@ def _auth_token(secret: str | None, payload: dict) -> str:
 
 class TCPAttentionConnector(AttentionConnector):
     dbo_capable = True
+
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         cfg = ctx.config
