@@ -49,3 +49,14 @@ def test_internal_port_bases_differ_for_100_servers_then_cycle(monkeypatch):
     assert all(20000 <= b < 30000 and b % 100 == 0 for b in bases)
     assert len(set(bases[:100])) == 100 and len(set(bases[100:200])) == 100
     assert len(set(bases[200:])) == 50
+
+
+@pytest.mark.skipif(
+    su.ephemeral_port_range()[0] < su.LISTEN_WINDOW_START + 100,
+    reason="this host's ephemeral range leaves no window below it",
+)
+def test_a_long_session_does_not_run_out_of_ports(monkeypatch):
+    monkeypatch.setattr(su, "_HANDED_OUT", set())
+    lo, hi = su.LISTEN_WINDOW_START, su.ephemeral_port_range()[0]
+    got = [su.free_ports(1)[0] for _ in range(hi - lo)]  # as many as the window holds
+    assert all(lo <= p < hi for p in got)
