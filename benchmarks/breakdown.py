@@ -134,12 +134,6 @@ def _classify(e: dict) -> str:
     return "transfer"  # copies and memsets
 
 
-def _device_kernels(events: list[dict], names: tuple[str, ...]):
-    for e in events:
-        if e.get("cat") == "kernel" and any(k in str(e.get("name", "")) for k in names):
-            yield (float(e["ts"]), float(e["ts"]) + float(e["dur"])), e
-
-
 def _device(events: list[dict]) -> dict[str, list[tuple[float, float]]] | None:
     """Device intervals by category, None when the trace has no device timeline."""
     per_cat: dict[str, list[tuple[float, float]]] = {"compute": [], "transfer": [], "wait": []}
@@ -199,8 +193,7 @@ def attention_figures(events: list[dict]) -> RoleFigures:
         # extent of the forward spans where the trace has them. One wait kernel per
         # layer exchange (host spans of DBO micro-batch threads may be missing, below).
         dwins = _windows([s for s, _ in _spans(events, FORWARD, device=True)]) or wins
-        waits = [iv for iv, e in _device_kernels(events, WAIT_KERNELS)]
-        layers = sum(_count_in(waits, w) for w in dwins) / len(dwins)
+        layers = sum(_count_in(per_cat["wait"], w) for w in dwins) / len(dwins)
         fig = _device_figures(per_cat, dwins, ("attention", "send", "wait"))
         return RoleFigures("attention", "device", len(dwins), layers, fig, dwins)
     send = _spans(events, "afd.send")
@@ -246,8 +239,7 @@ def ffn_figures(
     per_cat = _device(events)
     if per_cat is not None:
         dwins = windows or _windows([s for s, _ in _spans(events, "afd.ffn_step", True)]) or own
-        waits = [iv for iv, e in _device_kernels(events, WAIT_KERNELS)]
-        layers = sum(_count_in(waits, w) for w in dwins) / len(dwins)
+        layers = sum(_count_in(per_cat["wait"], w) for w in dwins) / len(dwins)
         fig = _device_figures(per_cat, dwins, ("compute", "send", "recv"))
         return RoleFigures("ffn", "device", len(dwins), layers, fig, dwins)
     if _spans(events, "afd.ffn_graph_replay") and not compute:
