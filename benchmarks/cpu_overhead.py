@@ -24,16 +24,12 @@ import threading
 import time
 from pathlib import Path
 
+# Ports below the ephemeral range (scripts/serve_util.py says why).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from serve_util import free_port  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 PROC = REPO / "tests" / "cpu" / "afd_proc.py"
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range (scripts/serve_util.py says why)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import serve_util
-
-    return serve_util.free_port()
 
 
 def connector_round_trip(hidden: int, tokens: list[int], iters: int) -> list[tuple]:

@@ -34,16 +34,12 @@ import tempfile
 import time
 from pathlib import Path
 
+# Ports below the ephemeral range (scripts/serve_util.py says why).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from serve_util import free_port  # noqa: E402
+
 ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 BREAKDOWN_DELAY = 3  # profiled run: steps before the profiler starts (prefill included)
-
-
-def free_port() -> int:
-    """A free port below the ephemeral range (scripts/serve_util.py says why)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import serve_util
-
-    return serve_util.free_port()
 
 
 CPUS_ENV = "AFD_BENCH_CPUS"
