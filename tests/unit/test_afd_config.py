@@ -458,10 +458,11 @@ def test_verify_leaves_eager_alone(role, device_type):
 
 
 # ------------------------------------------------------------------------ DBO
-def _dbo_vllm(device_type="cpu", dp=1, dbo=True):
+def _dbo_vllm(device_type="cpu", dp=1, dbo=True, num_ubatches=2):
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
-                                        enable_dbo=dbo, data_parallel_size=dp),
+                                        enable_dbo=dbo, data_parallel_size=dp,
+                                        num_ubatches=num_ubatches),
         speculative_config=None,
         model_config=SimpleNamespace(enforce_eager=True),
         device_config=SimpleNamespace(device_type=device_type),
@@ -471,6 +472,10 @@ def _dbo_vllm(device_type="cpu", dp=1, dbo=True):
 def test_verify_dbo_ok_on_the_cpu_with_gloo():
     cfg(role="attention").verify_with_vllm_config(_dbo_vllm())
     cfg(role="ffn").verify_with_vllm_config(_dbo_vllm(dbo=False))
+
+
+def test_verify_dbo_ok_on_cuda_with_cuda_ipc():
+    cfg(role="attention", connector="cuda_ipc").verify_with_vllm_config(_dbo_vllm("cuda"))
 
 
 def test_verify_dbo_refused_on_the_ffn_role():
@@ -483,9 +488,13 @@ def test_verify_dbo_refused_on_the_ffn_role():
     [
         (_dbo_vllm(dp=2), "gloo", r"--enable-dbo on the attention role needs data_parallel_size "
                                   r"1 \(got 2\)"),
-        (_dbo_vllm(device_type="cuda"), "nccl", r"not supported with connector 'nccl'.*gloo"),
-        (_dbo_vllm(device_type="cuda"), "cuda_ipc", r"not supported with connector 'cuda_ipc'"),
-        (_dbo_vllm(device_type="cuda"), "gloo", r"--enable-dbo on 'cuda' is not supported yet"),
+        (_dbo_vllm(device_type="cuda"), "nccl",
+         r"not supported with connector 'nccl'.*gloo, cuda_ipc"),
+        (_dbo_vllm(device_type="cuda"), "gloo", r"--enable-dbo on 'cuda' needs connector "
+                                                r"'cuda_ipc' \(got 'gloo'\)"),
+        (_dbo_vllm(device_type="xpu"), "gloo", r"--enable-dbo on 'xpu' is not supported yet"),
+        (_dbo_vllm(device_type="cuda", num_ubatches=3), "cuda_ipc",
+         r"cuda_ipc connector serves at most 2 micro-batches per step.*asks for 3"),
     ],
 )
 def test_verify_dbo_refuses(vllm_config, connector, message):

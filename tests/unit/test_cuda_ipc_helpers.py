@@ -90,3 +90,30 @@ def test_refuses_a_cpu_device(role):
     else:
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
             create_attention_connector(ctx)._setup_device()
+
+
+def test_view_keeps_a_message_inside_its_micro_batch_slot():
+    buf = torch.zeros(1024, dtype=torch.uint8)
+    x = torch.ones((2, 64), dtype=torch.bfloat16)  # 256 bytes
+    buf[512:768] = 7
+    v = ipc._view(buf, 0, x, 1, 512)  # slot 1 starts at byte 512
+    assert v.view(torch.uint8).eq(7).all()
+    assert ipc._view(buf, 256, x, 0, 512).data_ptr() == buf[256:].data_ptr()
+    with pytest.raises(AFDProtocolError, match=r"exceeds the inbox \(512 bytes\)"):
+        ipc._view(buf, 384, x, 0, 512)  # would spill into slot 1
+
+
+def test_ffn_side_answers_later_micro_batches_from_the_announced_counts():
+    from vllm.afd.protocol import MSG_STEP, AFDPeerError, Control, ubatch_flags, ubatch_of
+    from vllm.distributed.afd.base import StepPeer
+
+    conn = create_ffn_connector(_ctx())
+    assert conn.ubatch_controls_upfront and ipc.SLOTS == 2
+    box = conn.inboxes[0] = ipc._Inbox(0, torch.zeros(8, dtype=torch.uint8))
+    box.ub_tokens, box.next_ub = [3, 2], 1  # as _device_ready leaves them
+    first = StepPeer(0, Control(MSG_STEP, 5, 3, ubatch_flags(0, 2)))
+    second = conn.recv_control(first)
+    assert (second.type, second.step_id, second.num_tokens) == (MSG_STEP, 5, 2)
+    assert ubatch_of(second.flags) == (1, 2)
+    with pytest.raises(AFDPeerError, match="micro-batch 2 asked for, step 5 .* has 2"):
+        conn.recv_control(first)

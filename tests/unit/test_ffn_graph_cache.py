@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 ffn_runner = pytest.importorskip("vllm.afd.ffn_runner")
 
-from vllm.afd.protocol import MSG_STEP, Control  # noqa: E402
+from vllm.afd.protocol import MSG_STEP, Control, ubatch_flags  # noqa: E402
 from vllm.distributed.afd.base import StepPeer  # noqa: E402
 
 
@@ -28,7 +28,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.graph_max_tokens = max_tokens
         self.graph_max_count = max_count
         self.graphs, self._graph_seen, self._graph_gen = {}, {}, -1
-        self.graph_replays = self.steps_served = self.batched_steps = 0
+        self.graph_replays = self.steps_served = self.batched_steps = self.ubatched_steps = 0
         self.connector = type("C", (), {"generation": 0})()
         self.dtype, self.hidden_size, self.modules, self.gates = torch.float32, 4, {0: None}, {}
         self.eager, self.captured = [], []
@@ -38,9 +38,36 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.eager.append(tuple((p.rank, p.control.num_tokens) for p in ready))
         return 0.0, 0.0
 
-    def _capture(self, key, ready):
+    def _ubatched_body(self, first, peers, count, capture):
+        assert not capture
+        while len(peers) < count:  # the TCP way: later controls arrive on the way
+            peers.append(self._next_ubatch(first, len(peers), count))
+        self.eager.append(("ubatched", *(p.control.num_tokens for p in peers)))
+        return 0.0, 0.0
+
+    def _capture(self, key, body):
         self.captured.append(key)
         self.graphs[key] = _Graph()
+
+
+class _UBatchConnector:
+    """Later micro-batches' controls (token counts 2, 2, ...), up front or not."""
+
+    generation = 0
+
+    def __init__(self, upfront: bool, tokens=(2,)):
+        self.ubatch_controls_upfront = upfront
+        self.tokens = list(tokens)
+        self.asked = 0
+
+    def recv_control(self, first):
+        i = self.asked % len(self.tokens)
+        self.asked += 1
+        return Control(MSG_STEP, first.control.step_id, self.tokens[i], ubatch_flags(i + 1, 2))
+
+
+def _ubatched(n0, step_id=1):
+    return [StepPeer(0, Control(MSG_STEP, step_id, n0, ubatch_flags(0, 2)))]
 
 
 def _step(*pairs):
@@ -105,3 +132,24 @@ def test_no_capture_while_profiling():
     r.profiler = None
     r._run_step(_step((0, 4)))
     assert r.captured == [((0, 4),)]
+
+
+def test_micro_batched_steps_announced_up_front_are_captured_per_token_split():
+    r = _Runner()
+    r.connector = _UBatchConnector(upfront=True)
+    for _ in range(4):
+        r._run_step(_ubatched(3))
+    key = ("ubatched", 0, 3, 2)
+    assert r.eager == [("ubatched", 3, 2)] * 2 and r.captured == [key]
+    assert r.graphs[key].replays == 2 and r.ubatched_steps == 4 and r.steps_served == 4
+    r._run_step(_ubatched(2))  # another split: its own key, eager first
+    assert r.eager[-1] == ("ubatched", 2, 2) and r.graph_replays == 2
+
+
+def test_micro_batched_steps_over_tcp_stay_eager():
+    # Later micro-batches' controls arrive mid-step: nothing to key a graph by.
+    r = _Runner()
+    r.connector = _UBatchConnector(upfront=False)
+    for _ in range(3):
+        r._run_step(_ubatched(3))
+    assert r.captured == [] and r.eager == [("ubatched", 3, 2)] * 3

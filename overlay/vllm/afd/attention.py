@@ -102,7 +102,12 @@ class AttentionClient:
                 self._transfer = self._wait = 0.0
                 self._bytes_out = self._bytes_in = 0
             if nub:
-                conn.begin_step(self.step_id, x.shape[0], ubatch=(ub, nub))
+                from vllm.afd import dbo
+
+                conn.begin_step(
+                    self.step_id, x.shape[0], ubatch=(ub, nub),
+                    ubatch_tokens=dbo.step_ubatch_tokens(),
+                )  # fmt: skip
             else:
                 conn.begin_step(self.step_id, x.shape[0])
             _install_step_metadata(AFDStepMetadata(self.step_id, x.shape[0]))

@@ -12,7 +12,9 @@ layer meanwhile, sends and yields back, and so on. The FFN rank therefore
 serves the two micro-batches alternately, layer by layer (see
 ``vllm.afd.ffn_runner``), while the attention computes the other one.
 
-On CUDA vLLM's own ``UBatchWrapper`` runs the threads (streams, graphs); the
+On CUDA vLLM's own ``UBatchWrapper`` runs the threads (streams, graphs; it
+is told the token counts of the step's micro-batches, :func:`note_ubatch_tokens`,
+which the cuda_ipc connector announces in micro-batch 0's control message); the
 CPU has no streams, so :class:`CPUUBatchWrapper` runs them with the same
 hand-over (vLLM's ``UBatchContext`` with the stream work left out).
 """
@@ -27,6 +29,21 @@ import torch
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# Token counts of the micro-batches of the step being run (set by the wrapper
+# in the runner's thread before the micro-batch threads start).
+_step_tokens: list[int] | None = None
+
+
+def note_ubatch_tokens(ubatch_slices: Any) -> None:
+    """Called by the micro-batch wrappers with the step's ``ubatch_slices``."""
+    global _step_tokens
+    _step_tokens = [int(s.num_tokens) for s in ubatch_slices]
+
+
+def step_ubatch_tokens() -> list[int] | None:
+    return None if _step_tokens is None else list(_step_tokens)
+
 
 def enabled(vllm_config: Any) -> bool:
     """DBO requested on an AFD attention role (any device)."""
@@ -155,6 +172,7 @@ class CPUUBatchWrapper:
         from vllm.v1.worker.gpu_ubatch_wrapper import _cat_ubatch_outputs
 
         n = len(slices)
+        note_ubatch_tokens(slices)
         attn = fc.attn_metadata
         slot = fc.slot_mapping if isinstance(fc.slot_mapping, list) else None
         contexts = []

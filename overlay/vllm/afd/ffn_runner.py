@@ -243,41 +243,52 @@ class FFNModelRunner:
             if not ready:
                 return
         key = tuple((p.rank, p.control.num_tokens) for p in ready)
-        if self.graphs_enabled:
-            if self.connector.generation != self._graph_gen:
-                # An attention rank (re)joined: its buffers moved.
-                self.graphs.clear()
-                self._graph_seen.clear()
-                self._graph_gen = self.connector.generation
-            graph = self.graphs.get(key)
-            if graph is not None:
-                with record_function("afd.ffn_graph_replay"):
-                    graph.replay()
-                self.graph_replays += 1
-                metrics.STATS.inc("ffn_graph_replays")
-                self._account(ready, None, None)
-                return
+        if self._replay(key, ready):
+            return
         transfer, compute = self._step_body(ready, capture=False)
         self._account(ready, compute, transfer)
-        if self.graphs_enabled:
-            seen = self._graph_seen[key] = self._graph_seen.get(key, 0) + 1
-            total = sum(c for _, c in key)
-            if (
-                seen >= 2
-                and total <= self.graph_max_tokens
-                and len(self.graphs) < self.graph_max_count
-                and self.profiler is None  # no capture while the torch profiler records
-            ):
-                self._capture(key, ready)
+        self._maybe_capture(key, sum(c for _, c in key), lambda: self._step_body(ready, True))
 
-    def _capture(self, key: tuple, ready) -> None:
+    def _replay(self, key: tuple, ready, batched: bool = True) -> bool:
+        """Replay the FFN graph captured for ``key``; False when there is none."""
+        if not self.graphs_enabled:
+            return False
+        if self.connector.generation != self._graph_gen:
+            # An attention rank (re)joined: its buffers moved.
+            self.graphs.clear()
+            self._graph_seen.clear()
+            self._graph_gen = self.connector.generation
+        graph = self.graphs.get(key)
+        if graph is None:
+            return False
+        with record_function("afd.ffn_graph_replay"):
+            graph.replay()
+        self.graph_replays += 1
+        metrics.STATS.inc("ffn_graph_replays")
+        self._account(ready, None, None, batched)
+        return True
+
+    def _maybe_capture(self, key: tuple, total: int, body: Callable[[], object]) -> None:
+        """A key is captured the second time it is served eagerly."""
+        if not self.graphs_enabled:
+            return
+        seen = self._graph_seen[key] = self._graph_seen.get(key, 0) + 1
+        if (
+            seen >= 2
+            and total <= self.graph_max_tokens
+            and len(self.graphs) < self.graph_max_count
+            and self.profiler is None  # no capture while the torch profiler records
+        ):
+            self._capture(key, body)
+
+    def _capture(self, key: tuple, body: Callable[[], object]) -> None:
         t0 = time.perf_counter()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                self._step_body(ready, capture=True)
+                body()
         except Exception as e:  # noqa: BLE001 - eager serving goes on
             logger.warning(
                 "AFD FFN role: CUDA graph capture for %s failed (%s); serving it eagerly", key, e
@@ -321,11 +332,12 @@ class FFNModelRunner:
     def _run_ubatched(self, first) -> None:
         """Serve one micro-batched step of one attention rank: for every layer,
         micro-batch 0, 1, ... in turn (the order the attention's micro-batch
-        threads send in). A later micro-batch's control message arrives just
-        before its first layer's data."""
-        from vllm.afd.protocol import MSG_STEP, AFDPeerError, ubatch_of
-        from vllm.distributed.afd.base import StepPeer
-        from vllm.forward_context import set_forward_context
+        threads send in). Over TCP a later micro-batch's control message arrives
+        just before its first layer's data; a connector whose first control
+        message announces every micro-batch (``ubatch_controls_upfront``, the
+        device channel of cuda_ipc) gives them all at once, so the whole step
+        can run as one FFN CUDA graph."""
+        from vllm.afd.protocol import AFDPeerError, ubatch_of
 
         index, count = ubatch_of(first.control.flags)
         if index != 0:
@@ -334,38 +346,65 @@ class FFNModelRunner:
                 f"of {count} (expected 0)"
             )
         peers = [first]
+        key = None
+        if getattr(self.connector, "ubatch_controls_upfront", False):
+            peers += [self._next_ubatch(first, i, count) for i in range(1, count)]
+            key = ("ubatched", first.rank, *(p.control.num_tokens for p in peers))
+            if self._replay(key, peers, batched=False):
+                self._count_ubatched(first.rank, count)
+                return
+        transfer, compute = self._ubatched_body(first, peers, count, capture=False)
+        self._count_ubatched(first.rank, count)
+        self._account(peers, compute, transfer, batched=False)
+        if key is not None:
+            total = sum(p.control.num_tokens for p in peers)
+            self._maybe_capture(key, total, lambda: self._ubatched_body(first, peers, count, True))
+
+    def _next_ubatch(self, first, i: int, count: int):
+        from vllm.afd.protocol import MSG_STEP, AFDPeerError, ubatch_of
+        from vllm.distributed.afd.base import StepPeer
+
+        ctrl = self.connector.recv_control(first)
+        if (
+            ctrl.type != MSG_STEP
+            or ctrl.step_id != first.control.step_id
+            or ubatch_of(ctrl.flags) != (i, count)
+        ):
+            raise AFDPeerError(
+                f"AFD attention rank {first.rank}: expected micro-batch {i} of "
+                f"{count} of step {first.control.step_id}, got step "
+                f"{ctrl.step_id} flags {ctrl.flags:#x}"
+            )
+        return StepPeer(first.rank, ctrl)
+
+    def _ubatched_body(self, first, peers: list, count: int, capture: bool):
+        """Every layer for micro-batches 0..count-1 in turn; ``peers`` grows by
+        the controls received on the way. Returns (transfer, compute)."""
+        from vllm.forward_context import set_forward_context
+
         transfer = compute = 0.0
-        sync = self._sync_timing
+        sync = self._sync_timing and not capture
         for layer_idx, module in self.modules.items():
             for i in range(count):
                 if len(peers) == i:
-                    ctrl = self.connector.recv_control(first)
-                    if (
-                        ctrl.type != MSG_STEP
-                        or ctrl.step_id != first.control.step_id
-                        or ubatch_of(ctrl.flags) != (i, count)
-                    ):
-                        raise AFDPeerError(
-                            f"AFD attention rank {first.rank}: expected micro-batch {i} of "
-                            f"{count} of step {first.control.step_id}, got step "
-                            f"{ctrl.step_id} flags {ctrl.flags:#x}"
-                        )
-                    peers.append(StepPeer(first.rank, ctrl))
+                    peers.append(self._next_ubatch(first, i, count))
                 peer = peers[i]
                 n = peer.control.num_tokens
                 x = torch.empty((n, self.hidden_size), dtype=self.dtype, device=self.device)
                 with set_forward_context(None, self.vllm_config, num_tokens=n):
-                    t, c = self._layer(layer_idx, module, [peer], x, [0, n], sync, False)
+                    t, c = self._layer(layer_idx, module, [peer], x, [0, n], sync, capture)
                 transfer += t
                 compute += c
+        return transfer, compute
+
+    def _count_ubatched(self, rank: int, count: int) -> None:
         if not self.ubatched_steps:
             logger.info(
                 "AFD FFN role: serving micro-batched (DBO) steps of attention rank %d "
-                "(%d micro-batches, alternating layer by layer)", first.rank, count,
+                "(%d micro-batches, alternating layer by layer)", rank, count,
             )
         self.ubatched_steps += 1
         metrics.STATS.inc("ffn_ubatched_steps")
-        self._account(peers, compute, transfer, batched=False)
 
     def _step_body(self, ready, capture: bool):
         """Receive, compute and send every layer of one step. With

@@ -40,7 +40,12 @@ GRAPH_CAPABLE_CONNECTORS = ("cuda_ipc",)
 # Connectors that serve micro-batched (DBO) steps: the attention side receives a
 # micro-batch's reply in the background, the FFN side reads later micro-batches'
 # controls. Their classes say dbo_capable = True (register_connector checks both).
-DBO_CONNECTORS = ("gloo",)
+DBO_CONNECTORS = ("gloo", "cuda_ipc")
+# The connector DBO runs with on each device type (the CPU has no streams to
+# overlap device transfers with; on CUDA the exchange must be device work).
+DBO_CONNECTOR_OF_DEVICE = {"cpu": "gloo", "cuda": "cuda_ipc"}
+# Micro-batches per step the cuda_ipc connector has inboxes for.
+IPC_MAX_UBATCHES = 2
 
 # The largest FFN ranks count the NCCL connector serves in this release
 # (M:N with several FFN ranks needs expert parallelism between them).
@@ -271,10 +276,22 @@ class AFDConfig:
                 f"AFD: --enable-dbo is not supported with connector {self.connector!r} yet "
                 f"(supported: {', '.join(DBO_CONNECTORS)}); drop --enable-dbo"
             )
-        if device_type != "cpu":
+        wanted = DBO_CONNECTOR_OF_DEVICE.get(device_type)
+        if wanted is None:
             raise AFDConfigError(
-                f"AFD: --enable-dbo on {device_type!r} is not supported yet (this release "
-                "runs AFD micro-batches on the CPU); drop --enable-dbo"
+                f"AFD: --enable-dbo on {device_type!r} is not supported yet (AFD micro-batches "
+                f"run on {' and '.join(DBO_CONNECTOR_OF_DEVICE)}); drop --enable-dbo"
+            )
+        if self.connector != wanted:
+            raise AFDConfigError(
+                f"AFD: --enable-dbo on {device_type!r} needs connector {wanted!r} "
+                f"(got {self.connector!r})"
+            )
+        n = getattr(parallel, "num_ubatches", 2)
+        if self.connector == "cuda_ipc" and n > IPC_MAX_UBATCHES:
+            raise AFDConfigError(
+                f"AFD: the cuda_ipc connector serves at most {IPC_MAX_UBATCHES} micro-batches "
+                f"per step (this configuration asks for {n})"
             )
 
     # ---------------------------------------------------------------- derived

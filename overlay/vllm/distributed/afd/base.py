@@ -167,20 +167,22 @@ def _ensure_builtin() -> None:
 def create_attention_connector(ctx: ConnectorContext) -> AttentionConnector:
     _ensure_builtin()
     try:
-        return _ATTENTION[ctx.config.connector](ctx)
+        cls = _ATTENTION[ctx.config.connector]
     except KeyError:
         raise ValueError(
             f"no AFD connector named {ctx.config.connector!r} "
             f"(available: {', '.join(sorted(_ATTENTION))})"
         ) from None
+    return cls(ctx)
 
 
 def create_ffn_connector(ctx: ConnectorContext) -> FFNConnector:
     _ensure_builtin()
     try:
-        return _FFN[ctx.config.connector](ctx)
+        cls = _FFN[ctx.config.connector]
     except KeyError:
         raise ValueError(
             f"no AFD connector named {ctx.config.connector!r} "
             f"(available: {', '.join(sorted(_ATTENTION))})"
         ) from None
+    return cls(ctx)

@@ -14,7 +14,14 @@ in CUDA graphs and the FFN role can replay its own graphs:
   graph advances them like an eager step does;
 * the step-control message (token count, flags) is written the same way, into
   the FFN rank's control row; the FFN host polls that row with a small copy on
-  a side stream (the FFN rank has nothing else to do meanwhile).
+  a side stream (the FFN rank has nothing else to do meanwhile);
+* DBO: every inbox, flag and counter exists once per micro-batch slot (up to
+  ``IPC_MAX_UBATCHES``). Micro-batch 0's control message announces the token
+  counts of all micro-batches of the step (the FFN rank can then replay one
+  graph for the whole step), and each micro-batch's exchange runs on its own
+  side stream of the attention rank, joined back to the compute stream only
+  when its thread resumes - so the other micro-batch's attention kernels run
+  while this one waits for the FFN rank.
 
 No host synchronisation per layer on the attention side and no per-step host
 round trip: the attention host only launches work.
@@ -50,8 +57,11 @@ from vllm.afd.protocol import (
     Control,
     pack_hello,
     parse_hello,
+    ubatch_flags,
+    ubatch_of,
     unpack_hello_preamble,
 )
+from vllm.config.afd import IPC_MAX_UBATCHES
 from vllm.distributed.afd.base import ConnectorContext, StepPeer, register_connector
 from vllm.distributed.afd.tcp import (
     TCPAttentionConnector,
@@ -67,8 +77,11 @@ logger = init_logger(__name__)
 ALIGN = 256
 ROW = 8  # int64 words per flag row (64 bytes: every pointer the kernels get is aligned alike)
 # FFN control row of one attention rank: [0] control flag, [1] payload seq,
-# [2] num_tokens, [3] flags, [4] data flag.
-C_FLAG, C_SEQ, C_TOKENS, C_FLAGS, C_DATA = 0, 1, 2, 3, 4
+# [2] num_tokens, [3] flags, [4, 5] data flags of micro-batch slots 0 and 1,
+# [6] num_tokens of micro-batch 1 (DBO steps).
+C_FLAG, C_SEQ, C_TOKENS, C_FLAGS, C_DATA, C_UB1_TOKENS = 0, 1, 2, 3, 4, 6
+SLOTS = IPC_MAX_UBATCHES
+assert C_DATA + SLOTS <= C_UB1_TOKENS and SLOTS == 2
 POISON = 1 << 62
 
 
@@ -92,13 +105,14 @@ if triton is not None:
         tl.store(ctr_ptr, c)
         tl.atomic_xchg(flag_ptr, c, sem="release", scope="sys")
 
-    @triton.jit(do_not_specialize=["num_tokens", "flags"])
-    def _control_kernel(ctr_ptr, row_ptr, num_tokens, flags):
+    @triton.jit(do_not_specialize=["num_tokens", "flags", "ub1_tokens"])
+    def _control_kernel(ctr_ptr, row_ptr, num_tokens, flags, ub1_tokens):
         c = tl.load(ctr_ptr) + 1
         tl.store(ctr_ptr, c)
         tl.store(row_ptr + 1, c)
         tl.store(row_ptr + 2, num_tokens.to(tl.int64))
         tl.store(row_ptr + 3, flags.to(tl.int64))
+        tl.store(row_ptr + 6, ub1_tokens.to(tl.int64))
         tl.atomic_xchg(row_ptr, c, sem="release", scope="sys")
 
     @triton.jit(do_not_specialize=["timeout_ns"])
@@ -125,8 +139,10 @@ def _signal(ctr: torch.Tensor, flag: torch.Tensor) -> None:
     _kernels()[0][(1,)](ctr, flag, num_warps=1)
 
 
-def _control(ctr: torch.Tensor, row: torch.Tensor, num_tokens: int, flags: int) -> None:
-    _kernels()[1][(1,)](ctr, row, num_tokens, flags, num_warps=1)
+def _control(
+    ctr: torch.Tensor, row: torch.Tensor, num_tokens: int, flags: int, ub1_tokens: int = 0
+) -> None:
+    _kernels()[1][(1,)](ctr, row, num_tokens, flags, ub1_tokens, num_warps=1)
 
 
 def _wait(ctr: torch.Tensor, flag: torch.Tensor, err: torch.Tensor, timeout_ns: int) -> None:
@@ -184,8 +200,9 @@ def _exchange_desc(sock, mine: dict, deadline: float, peer: str, timeout: float)
 
 
 def message_bytes(ctx: ConnectorContext) -> int:
-    """Inbox size: one layer's messages at the largest step (hidden states,
-    plus float32 router logits when the gate runs on the attention role)."""
+    """Inbox size of one micro-batch slot: one layer's messages at the largest
+    step (hidden states, plus float32 router logits when the gate runs on the
+    attention role)."""
     hidden = int(ctx.fingerprint["hidden_size"])
     dtype = getattr(torch, str(ctx.fingerprint["dtype"]))
     per_token = hidden * torch.empty((), dtype=dtype).element_size()
@@ -194,14 +211,20 @@ def message_bytes(ctx: ConnectorContext) -> int:
     return _align(ctx.max_num_tokens * per_token) + 2 * ALIGN
 
 
-def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+def _view(
+    buf: torch.Tensor, offset: int, like: torch.Tensor, slot: int = 0, slot_bytes: int = 0
+) -> torch.Tensor:
+    """``like``-shaped view of ``buf`` at ``offset`` inside micro-batch slot
+    ``slot`` (of ``slot_bytes``; 0: the whole buffer)."""
     n = like.numel() * like.element_size()
-    if offset + n > buf.numel():
+    size = slot_bytes or buf.numel()
+    if offset + n > size:
         raise AFDProtocolError(
             f"AFD cuda_ipc: message of {n} bytes at offset {offset} exceeds the inbox "
-            f"({buf.numel()} bytes)"
+            f"({size} bytes)"
         )
-    return buf[offset : offset + n].view(like.dtype).view(like.shape)
+    start = slot * size + offset
+    return buf[start : start + n].view(like.dtype).view(like.shape)
 
 
 def _timeout_ns(ctx: ConnectorContext) -> int:
@@ -211,8 +234,7 @@ def _timeout_ns(ctx: ConnectorContext) -> int:
 # ----------------------------------------------------------- attention side
 class IPCAttentionConnector(TCPAttentionConnector):
     graph_capable = True
-    # One inbox/flag set per rank: micro-batches would need one each (not yet).
-    dbo_capable = False
+    dbo_capable = True
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
@@ -220,7 +242,8 @@ class IPCAttentionConnector(TCPAttentionConnector):
         # Called with the failure message from the watchdog thread; the default
         # ends the process (see the module docstring). Tests replace it.
         self.on_failure = _exit_process
-        self._send_off = 0
+        self.slot_bytes = 0  # set with the buffers (message_bytes)
+        self._send_off = [0] * SLOTS
         self._watch: threading.Thread | None = None
 
     def connect(self) -> None:
@@ -240,10 +263,12 @@ class IPCAttentionConnector(TCPAttentionConnector):
         dev = self.ctx.device
         if dev.type != "cuda":
             raise RuntimeError("AFD cuda_ipc connector needs a CUDA device")
-        # flags: row 0 [0] data flag written by the FFN rank; row 1 [0] error word;
-        # rows 2, 3, 4: counters of control / data sent and data received.
-        self.flags = torch.zeros((5, ROW), dtype=torch.int64, device=dev)
-        self.outbox = torch.zeros(message_bytes(self.ctx), dtype=torch.uint8, device=dev)
+        self.slot_bytes = message_bytes(self.ctx)
+        # flags: row 0 [s] data flag of slot s, written by the FFN rank; row 1 [0]
+        # error word; row 2 the control counter; rows 3 + 2s, 4 + 2s: counters of
+        # data sent / received in slot s.
+        self.flags = torch.zeros((3 + 2 * SLOTS, ROW), dtype=torch.int64, device=dev)
+        self.outbox = torch.zeros(SLOTS * self.slot_bytes, dtype=torch.uint8, device=dev)
         mine = _flat({"flags": export_buffer(self.flags.view(-1).view(torch.uint8)),
                       "outbox": export_buffer(self.outbox)})  # fmt: skip
         deadline = time.monotonic() + self.timeout
@@ -254,37 +279,111 @@ class IPCAttentionConnector(TCPAttentionConnector):
             )
         ctrl = import_buffer(_sub(remote, "ctrl")).view(torch.int64).view(-1, ROW)
         self.inbox = import_buffer(_sub(remote, "inbox"))
+        if self.inbox.numel() != SLOTS * self.slot_bytes:
+            raise AFDPeerError(
+                f"AFD {self.peer} offers an inbox of {self.inbox.numel()} bytes, this rank "
+                f"needs {SLOTS * self.slot_bytes} (a different build of the connector?)"
+            )
         row = int(remote["row"])
         self.ctrl_row = ctrl[row]
-        self.data_flag = ctrl[row, C_DATA:]
+        self.data_flags = [ctrl[row, C_DATA + s :] for s in range(SLOTS)]
+        self.recv_flags = [self.flags[0, s:] for s in range(SLOTS)]
         self.err = self.flags[1]
-        self.ctr_ctrl, self.ctr_sent, self.ctr_recv = self.flags[2], self.flags[3], self.flags[4]
+        self.ctr_ctrl = self.flags[2]
+        self.ctr_sent = [self.flags[3 + 2 * s] for s in range(SLOTS)]
+        self.ctr_recv = [self.flags[4 + 2 * s] for s in range(SLOTS)]
         self._host_err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._side = torch.cuda.Stream(device=dev)
+        # DBO: one stream per micro-batch for its exchange (see the module docstring).
+        self._ub_streams = [torch.cuda.Stream(device=dev) for _ in range(SLOTS)]
         _kernels()
         logger.info(
-            "AFD: cuda_ipc device channel to %s mapped (inbox %d bytes)",
+            "AFD: cuda_ipc device channel to %s mapped (inbox %d bytes, %d micro-batch slots)",
             self.peer,
             self.inbox.numel(),
+            SLOTS,
         )
 
     # -- per step (device work on the current stream) ---------------------
-    def begin_step(self, step_id: int, num_tokens: int) -> None:
+    def begin_step(
+        self,
+        step_id: int,
+        num_tokens: int,
+        ubatch: tuple[int, int] | None = None,
+        ubatch_tokens: list[int] | None = None,
+    ) -> None:
+        """``ubatch``: (index, count) when this opens one micro-batch of a DBO
+        step; micro-batch 0's message carries ``ubatch_tokens`` (the token
+        counts of all of them), later micro-batches send no control message."""
         self._check()
-        self._send_off = 0
-        _control(self.ctr_ctrl, self.ctrl_row, num_tokens, 0)
+        if ubatch is None:
+            self._send_off[0] = 0
+            _control(self.ctr_ctrl, self.ctrl_row, num_tokens, 0)
+            return
+        index, count = ubatch
+        if count > SLOTS:
+            raise AFDProtocolError(
+                f"AFD cuda_ipc: {count} micro-batches per step, the connector has {SLOTS} slots"
+            )
+        self._send_off[index] = 0
+        if index != 0:
+            return
+        if ubatch_tokens is None or len(ubatch_tokens) != count or ubatch_tokens[0] != num_tokens:
+            raise AFDProtocolError(
+                f"AFD cuda_ipc: micro-batch 0 of {num_tokens} tokens opened a DBO step with "
+                f"micro-batch token counts {ubatch_tokens} (expected {count}, the first "
+                f"{num_tokens})"
+            )
+        _control(self.ctr_ctrl, self.ctrl_row, num_tokens, ubatch_flags(0, count),
+                 int(ubatch_tokens[1]))  # fmt: skip
 
     def send(self, x: torch.Tensor) -> None:
-        dst = _view(self.inbox, self._send_off, x)
-        dst.copy_(x)
-        self._send_off += _align(dst.numel() * dst.element_size())
-        _signal(self.ctr_sent, self.data_flag)
+        s, stream = self._slot_stream()
+        with torch.cuda.stream(stream):
+            dst = _view(self.inbox, self._send_off[s], x, s, self.slot_bytes)
+            dst.copy_(x)
+            self._send_off[s] += _align(dst.numel() * dst.element_size())
+            _signal(self.ctr_sent[s], self.data_flags[s])
 
     def recv(self, out: torch.Tensor) -> torch.Tensor:
-        _wait(self.ctr_recv, self.flags[0], self.err, self.timeout_ns)
-        out.copy_(_view(self.outbox, 0, out))
-        self._send_off = 0
+        _wait(self.ctr_recv[0], self.recv_flags[0], self.err, self.timeout_ns)
+        out.copy_(_view(self.outbox, 0, out, 0, self.slot_bytes))
+        self._send_off[0] = 0
         return out
+
+    def recv_start(self, out: torch.Tensor):
+        """DBO: wait for this micro-batch's reply on its own stream; the returned
+        ``wait()`` (called when the micro-batch's thread resumes) makes the
+        current stream wait for it."""
+        s, stream = self._slot_stream()
+        with torch.cuda.stream(stream):
+            _wait(self.ctr_recv[s], self.recv_flags[s], self.err, self.timeout_ns)
+            out.copy_(_view(self.outbox, 0, out, s, self.slot_bytes))
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._send_off[s] = 0
+
+        def wait() -> torch.Tensor:
+            torch.cuda.current_stream().wait_event(done)
+            return out
+
+        return wait
+
+    def _slot_stream(self) -> tuple[int, torch.cuda.Stream]:
+        """The micro-batch slot of this thread and the stream its exchange runs
+        on: outside DBO slot 0 on the current stream; in a micro-batch thread its
+        own side stream, made to wait for the work issued so far."""
+        from vllm.v1.worker import ubatching
+
+        current = torch.cuda.current_stream()
+        if not ubatching.dbo_enabled():
+            return 0, current
+        s = ubatching.dbo_current_ubatch_id()
+        stream = self._ub_streams[s]
+        ready = torch.cuda.Event()
+        ready.record(current)
+        stream.wait_event(ready)
+        return s, stream
 
     def end_step(self) -> None:
         pass
@@ -362,20 +461,26 @@ def _exit_process(msg: str) -> None:
 class _Inbox:
     def __init__(self, row: int, data: torch.Tensor):
         self.row = row
-        self.data = data
+        self.data = data  # SLOTS regions of slot_bytes
         self.outbox: torch.Tensor | None = None  # the attention rank's, mapped here
         self.flags: torch.Tensor | None = None  # the attention rank's flag rows
-        self.recv_off = 0
+        self.recv_off = [0] * SLOTS
         self.seen = 0  # control messages consumed
+        self.ub_tokens: list[int] = []  # token counts of the DBO step being served
+        self.next_ub = 1
 
 
 class IPCFFNConnector(TCPFFNConnector):
     graph_capable = True
-    dbo_capable = False
+    dbo_capable = True
+    # Micro-batch 0's control message announces every micro-batch of a DBO step
+    # (recv_control answers from it without waiting; see vllm.afd.ffn_runner).
+    ubatch_controls_upfront = True
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         self.timeout_ns = _timeout_ns(ctx)
+        self.slot_bytes = 0  # set with the buffers (message_bytes)
         self.ranks = sorted(self.expected)
         self.inboxes: dict[int, _Inbox] = {}
         self.ctrl: torch.Tensor | None = None
@@ -389,17 +494,21 @@ class IPCFFNConnector(TCPFFNConnector):
         if dev.type != "cuda":
             raise RuntimeError("AFD cuda_ipc connector needs a CUDA device")
         k = len(self.ranks)
+        self.slot_bytes = message_bytes(self.ctx)
         # Row r: control/data flags of attention rank ranks[r]; row k: error word.
         self.ctrl = torch.zeros((k + 1, ROW), dtype=torch.int64, device=dev)
-        # Per rank two counter rows: data received, data sent.
-        self.counters = torch.zeros((2 * k, ROW), dtype=torch.int64, device=dev)
-        size = message_bytes(self.ctx)
+        # Per rank and micro-batch slot two counter rows: data received, data sent.
+        self.counters = torch.zeros((2 * SLOTS * k, ROW), dtype=torch.int64, device=dev)
+        size = SLOTS * self.slot_bytes
         for r, rank in enumerate(self.ranks):
             self.inboxes[rank] = _Inbox(r, torch.zeros(size, dtype=torch.uint8, device=dev))
         self._host = torch.zeros((k + 1, ROW), dtype=torch.int64, pin_memory=True)
         self._side = torch.cuda.Stream(device=dev)
         _kernels()
         super().start()
+
+    def _counter(self, box: _Inbox, slot: int, sent: bool) -> torch.Tensor:
+        return self.counters[2 * (box.row * SLOTS + slot) + int(sent)]
 
     def _accept_device(self, rank: int, sock, addr: str) -> None:
         """Map the attention rank's buffers and give it ours (handshake thread)."""
@@ -412,6 +521,10 @@ class IPCFFNConnector(TCPFFNConnector):
         try:
             box.flags = import_buffer(_sub(remote, "flags")).view(torch.int64).view(-1, ROW)
             box.outbox = import_buffer(_sub(remote, "outbox"))
+            if box.outbox.numel() != SLOTS * self.slot_bytes:
+                raise ValueError(
+                    f"outbox of {box.outbox.numel()} bytes, expected {SLOTS * self.slot_bytes}"
+                )
         except Exception as e:  # noqa: BLE001 - answered, then the peer is refused
             _send_all(sock, pack_hello({"status": f"cannot map buffers: {e}"}), 5.0, addr)
             raise
@@ -419,10 +532,10 @@ class IPCFFNConnector(TCPFFNConnector):
         # the reply, after which the rank may write its first control message.
         r = box.row
         self.ctrl[r].zero_()
-        self.counters[2 * r : 2 * r + 2].zero_()
+        self.counters[2 * SLOTS * r : 2 * SLOTS * (r + 1)].zero_()
         torch.cuda.synchronize(self.ctx.device)
         box.seen = 0
-        box.recv_off = 0
+        box.recv_off = [0] * SLOTS
         self.generation += 1
         mine = _flat({
             "status": "ok",
@@ -498,38 +611,62 @@ class IPCFFNConnector(TCPFFNConnector):
             box.seen = flag
             ctrl = Control(MSG_STEP, flag, int(host[box.row, C_TOKENS]),
                            int(host[box.row, C_FLAGS]))  # fmt: skip
-            if not 0 < ctrl.num_tokens <= self.ctx.max_num_tokens:
+            index, count = ubatch_of(ctrl.flags)
+            box.ub_tokens = [ctrl.num_tokens]
+            box.next_ub = 1
+            if count:
+                box.ub_tokens.append(int(host[box.row, C_UB1_TOKENS]))
+            bad = None
+            if not all(0 < n <= self.ctx.max_num_tokens for n in box.ub_tokens):
+                tokens = box.ub_tokens if count else ctrl.num_tokens
+                bad = f"step with {tokens} tokens is outside 1..{self.ctx.max_num_tokens}"
+            elif ctrl.flags and (index != 0 or not 2 <= count <= SLOTS):
+                bad = f"step opened as micro-batch {index} of {count} (slots: {SLOTS})"
+            if bad is not None:
                 self._drop(p)
-                raise AFDPeerError(
-                    f"AFD {p.name} broke the protocol: step with {ctrl.num_tokens} tokens "
-                    f"is outside 1..{self.ctx.max_num_tokens}"
-                )
-            box.recv_off = 0
+                raise AFDPeerError(f"AFD {p.name} broke the protocol: {bad}")
+            box.recv_off = [0] * SLOTS
             ready.append(StepPeer(p.rank, ctrl))
         return ready
+
+    def recv_control(self, peer: StepPeer) -> Control:
+        """The next micro-batch of the DBO step ``peer`` opened, from the token
+        counts its control message announced (no wait)."""
+        box = self.inboxes[peer.rank]
+        i = box.next_ub
+        count = ubatch_of(peer.control.flags)[1]
+        if not i < count:
+            raise AFDPeerError(
+                f"AFD cuda_ipc: micro-batch {i} asked for, step {peer.control.step_id} of "
+                f"attention rank {peer.rank} has {count}"
+            )
+        box.next_ub += 1
+        return Control(MSG_STEP, peer.control.step_id, box.ub_tokens[i], ubatch_flags(i, count))
 
     def poison(self) -> None:
         """Release every device wait of this rank (its peers are gone)."""
         try:
             with torch.cuda.stream(self._side):
                 for box in self.inboxes.values():
-                    self.ctrl[box.row, C_DATA].fill_(POISON)
+                    self.ctrl[box.row, C_DATA : C_DATA + SLOTS].fill_(POISON)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
 
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
         box = self.inboxes[peer.rank]
+        s = ubatch_of(peer.control.flags)[0]
         r = box.row
-        _wait(self.counters[2 * r], self.ctrl[r, C_DATA:], self.ctrl[-1], self.timeout_ns)
-        out.copy_(_view(box.data, box.recv_off, out))
-        box.recv_off += _align(out.numel() * out.element_size())
+        _wait(self._counter(box, s, False), self.ctrl[r, C_DATA + s :], self.ctrl[-1],
+              self.timeout_ns)  # fmt: skip
+        out.copy_(_view(box.data, box.recv_off[s], out, s, self.slot_bytes))
+        box.recv_off[s] += _align(out.numel() * out.element_size())
 
     def send(self, peer: StepPeer, y: torch.Tensor) -> None:
         box = self.inboxes[peer.rank]
-        r = box.row
-        _view(box.outbox, 0, y).copy_(y)
-        _signal(self.counters[2 * r + 1], box.flags[0])
-        box.recv_off = 0
+        s = ubatch_of(peer.control.flags)[0]
+        _view(box.outbox, 0, y, s, self.slot_bytes).copy_(y)
+        _signal(self._counter(box, s, True), box.flags[0, s:])
+        box.recv_off[s] = 0
 
     def close(self) -> None:
         self.poison()

@@ -246,9 +246,15 @@ class TCPAttentionConnector(AttentionConnector):
 
     # -- per step ----------------------------------------------------------
     def begin_step(
-        self, step_id: int, num_tokens: int, ubatch: tuple[int, int] | None = None
+        self,
+        step_id: int,
+        num_tokens: int,
+        ubatch: tuple[int, int] | None = None,
+        ubatch_tokens: list[int] | None = None,
     ) -> None:
-        """``ubatch``: (index, count) when this opens one micro-batch of a DBO step."""
+        """``ubatch``: (index, count) when this opens one micro-batch of a DBO step
+        (every micro-batch sends its own control message here, so the token
+        counts of the others, ``ubatch_tokens``, are not needed)."""
         flags = ubatch_flags(*ubatch) if ubatch is not None else 0
         with self._lock:
             sock = self._check()
