@@ -8,8 +8,10 @@ forced eager), `cuda_ipc` (device-only exchange: eager and CUDA graphs on
 the attention role, FFN-side graphs), and with two GPUs `nccl` (FFN on GPU 1).
 Execution modes, each compared with plain vLLM run with the same flags:
 eager; FULL_DECODE_ONLY CUDA graphs without torch.compile; the same with
-torch.compile; model runner V1 and V2 (VLLM_USE_V2_MODEL_RUNNER). Greedy
-tokens must be identical and top-5 logprobs within BF16_TOL.
+torch.compile; model runner V1 and V2 (VLLM_USE_V2_MODEL_RUNNER); DBO
+(--enable-dbo on the attention role, model runner V1), eager and with graphs
+(plain vLLM cannot micro-batch at data-parallel size 1, so its reference runs
+without DBO). Greedy tokens must be identical and top-5 logprobs within BF16_TOL.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ def _plain(name, mode, runner, tmp_path, procs) -> dict:
     return _PLAIN[key]
 
 
-def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None) -> dict:
+def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None,
+         attn_args=(), keep_ffn=None) -> dict:
     model = MODELS_DIR / name
     prompts = oracle.write_prompts(tmp_path)
     port = oracle.free_port(3)
@@ -142,9 +145,11 @@ def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None) ->
                 model, tmp_path / "ffn.log", ffn_gpu, procs)
     attn = _proc(["attention", "--afd", oracle.afd_json("attention", port, **kw),
                   "--prompts", str(prompts), "--out", str(tmp_path / "afd.json"),
-                  *_mode_args(mode)],
+                  *_mode_args(mode), *attn_args],
                  model, tmp_path / "attn.log", att_gpu, procs, runner)
     assert attn.wait(START) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    if keep_ffn is not None:
+        keep_ffn.append(ffn)
     return json.loads((tmp_path / "afd.json").read_text())
 
 
@@ -198,3 +203,27 @@ def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
                extra={"connector_extra_config": {"ffn_cuda_graphs": False}})
     _compare(plain, afd)
     assert "captured a CUDA graph" not in _ffn_log(tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2_mla"])
+def test_gpu_oracle_dbo(name, mode, tmp_path, procs):
+    """--enable-dbo: steps of at least 2 tokens run as two micro-batches whose
+    exchanges run on their own streams (cuda_ipc slots); with graphs the
+    attention captures micro-batched FULL decode graphs and the FFN rank one
+    graph per micro-batched step."""
+    plain = _plain(name, mode, "v1", tmp_path / "plain", procs)
+    ffns: list = []
+    afd = _afd(name, "cuda_ipc", 0, mode, "v1", tmp_path, procs, keep_ffn=ffns,
+               attn_args=["--enable-dbo", "--dbo-threshold", "2"])
+    worst = _compare(plain, afd)
+    attn_log = (tmp_path / "attn.log").read_text(errors="replace")
+    assert "running eager" not in attn_log
+    counts = oracle.ffn_stopped_counts(ffns[0])
+    # 4 sequences at a time: most steps have >= 2 tokens and are micro-batched.
+    assert counts["ubatched"] > counts["steps"] // 2, counts
+    if mode == "graphs":
+        assert "Capturing CUDA graphs" in attn_log
+        assert "captured a CUDA graph for step ('ubatched'" in _ffn_log(tmp_path)
+    print(f"ORACLE {name} cuda_ipc {mode} DBO runner=v1: tokens identical, "
+          f"max |logprob diff| {worst:.3g}, {counts}")
