@@ -113,6 +113,15 @@ def test_split_decision(num_tokens, uniform_decode, allow, decode_threshold, exp
     assert dbo.should_ubatch(pc, num_tokens, uniform_decode, allow) is expected
 
 
+def test_on_cuda_only_uniform_decode_steps_are_split(monkeypatch):
+    pc = _vllm_config(decode=2, prefill=4).parallel_config
+    monkeypatch.setattr(dbo, "_on_cuda", lambda: True)
+    assert dbo.should_ubatch(pc, 2, True, True) is True
+    assert dbo.should_ubatch(pc, 64, False, True) is False  # prefill: run whole
+    monkeypatch.setattr(dbo, "_on_cuda", lambda: False)
+    assert dbo.should_ubatch(pc, 64, False, True) is True  # the CPU splits prefills too
+
+
 def test_only_the_attention_role_with_dbo_is_wrapped():
     model = object()
     cpu = torch.device("cpu")

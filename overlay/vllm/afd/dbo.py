@@ -65,12 +65,25 @@ def replaces_all2all(vllm_config: Any) -> bool:
 
 def should_ubatch(parallel_config: Any, num_tokens: int, uniform_decode: bool, allow: bool) -> bool:
     """The split decision that data-parallel coordination makes in vLLM, for one
-    rank: at least the DBO token threshold, and no empty last micro-batch."""
+    rank: at least the DBO token threshold, and no empty last micro-batch.
+
+    On CUDA only uniform decode steps are split: vLLM 0.26.0's split of a
+    prefill (or mixed) step's attention metadata fails inside FlashAttention
+    ("batch_size must be equal to batch_size_k", measured on an H200), so those
+    steps run whole - decode is where micro-batching hides the transfers."""
     from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
 
     if not allow or num_tokens < parallel_config.num_ubatches:
         return False
+    if not uniform_decode and _on_cuda():
+        return False
     return check_ubatch_thresholds(parallel_config, num_tokens, uniform_decode)
+
+
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
 
 
 def maybe_wrap(model: Any, vllm_config: Any, device: torch.device) -> Any:
