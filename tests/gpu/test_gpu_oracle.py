@@ -205,8 +205,10 @@ def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
     assert "captured a CUDA graph" not in _ffn_log(tmp_path)
 
 
+# DBO on CUDA needs MLA attention (vllm.config.afd refuses the others: on an H200 the
+# FLASH_ATTN micro-batch split crashed in eager mode and gave wrong tokens with graphs).
 @pytest.mark.parametrize("mode", ["eager", "graphs"])
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2_mla"])
+@pytest.mark.parametrize("name", ["deepseek_v2_mla"])
 def test_gpu_oracle_dbo(name, mode, tmp_path, procs):
     """--enable-dbo: steps of at least 2 tokens run as two micro-batches whose
     exchanges run on their own streams (cuda_ipc slots); with graphs the

@@ -458,19 +458,20 @@ def test_verify_leaves_eager_alone(role, device_type):
 
 
 # ------------------------------------------------------------------------ DBO
-def _dbo_vllm(device_type="cpu", dp=1, dbo=True, num_ubatches=2):
+def _dbo_vllm(device_type="cpu", dp=1, dbo=True, num_ubatches=2, mla=True):
     return SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
                                         enable_dbo=dbo, data_parallel_size=dp,
                                         num_ubatches=num_ubatches),
         speculative_config=None,
-        model_config=SimpleNamespace(enforce_eager=True),
+        model_config=SimpleNamespace(enforce_eager=True, use_mla=mla),
         device_config=SimpleNamespace(device_type=device_type),
     )
 
 
 def test_verify_dbo_ok_on_the_cpu_with_gloo():
     cfg(role="attention").verify_with_vllm_config(_dbo_vllm())
+    cfg(role="attention").verify_with_vllm_config(_dbo_vllm(mla=False))  # any attention
     cfg(role="ffn").verify_with_vllm_config(_dbo_vllm(dbo=False))
 
 
@@ -493,6 +494,8 @@ def test_verify_dbo_refused_on_the_ffn_role():
         (_dbo_vllm(device_type="cuda"), "gloo", r"--enable-dbo on 'cuda' needs connector "
                                                 r"'cuda_ipc' \(got 'gloo'\)"),
         (_dbo_vllm(device_type="xpu"), "gloo", r"--enable-dbo on 'xpu' is not supported yet"),
+        (_dbo_vllm(device_type="cuda", mla=False), "cuda_ipc",
+         r"--enable-dbo on CUDA needs an MLA model .*batch_size must be equal to batch_size_k"),
         (_dbo_vllm(device_type="cuda", num_ubatches=3), "cuda_ipc",
          r"cuda_ipc connector serves at most 2 micro-batches per step.*asks for 3"),
     ],

@@ -236,7 +236,7 @@ class AFDConfig:
                     "AFD: --enable-dbo is an attention-server option (the FFN rank serves "
                     "the micro-batches it is sent); drop it from the FFN server"
                 )
-            self._verify_dbo(parallel, device_type)
+            self._verify_dbo(parallel, device_type, model_config)
         if self.connector in GRAPH_CAPABLE_CONNECTORS and device_type != "cuda":
             raise AFDConfigError(
                 f"AFD: connector {self.connector!r} moves activations between CUDA devices of "
@@ -262,7 +262,7 @@ class AFDConfig:
             )
             model_config.enforce_eager = True
 
-    def _verify_dbo(self, parallel: Any, device_type: str) -> None:
+    def _verify_dbo(self, parallel: Any, device_type: str, model_config: Any = None) -> None:
         """DBO on the attention role: micro-batches at data-parallel size 1,
         served by a connector that knows micro-batched steps."""
         dp = getattr(parallel, "data_parallel_size", 1)
@@ -286,6 +286,16 @@ class AFDConfig:
             raise AFDConfigError(
                 f"AFD: --enable-dbo on {device_type!r} needs connector {wanted!r} "
                 f"(got {self.connector!r})"
+            )
+        if device_type == "cuda" and model_config is not None and not getattr(
+            model_config, "use_mla", False
+        ):
+            raise AFDConfigError(
+                "AFD: --enable-dbo on CUDA needs an MLA model (DeepSeek-V2/V3) in this "
+                "release: with the FLASH_ATTN backend, vLLM 0.26.0's split of decode "
+                "attention metadata into micro-batches at data-parallel size 1 fails "
+                "('batch_size must be equal to batch_size_k') or gives wrong tokens "
+                "(measured on an H200); drop --enable-dbo"
             )
         n = getattr(parallel, "num_ubatches", 2)
         if self.connector == "cuda_ipc" and n > IPC_MAX_UBATCHES:
