@@ -201,6 +201,9 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
             if a.connector_extra:
                 cfg["connector_extra_config"] = json.loads(a.connector_extra)
             ffn_env = dict(env)
+            # run_ffn reads the FFN runner of its own process (ffn_runner.ACTIVE): the
+            # engine core must run in-process (on the CPU it does anyway).
+            ffn_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             if a.device == "cpu" and a.ffn_cpus:
                 # The whole child process (every thread, the FFN serve thread's OpenMP
                 # team included) on these cores; see pin_to_cpus.
