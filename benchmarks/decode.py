@@ -25,6 +25,7 @@ router; ``both`` runs each. Prints a table and, with ``--json FILE``, writes the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -87,6 +88,8 @@ def engine_kwargs(a) -> dict:
     )
     if a.gpu_memory_utilization:
         kw["gpu_memory_utilization"] = a.gpu_memory_utilization
+    if a.kv_cache_memory_bytes:
+        kw["kv_cache_memory_bytes"] = a.kv_cache_memory_bytes
     if a.afd:
         kw["afd_config"] = json.loads(a.afd)
     if a.compilation_config:
@@ -301,6 +304,12 @@ def main() -> int:
     p.add_argument("--compilation-config", help="JSON for LLM(compilation_config=...); not eager")
     p.add_argument("--connector-extra", help="JSON connector_extra_config for both AFD roles")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="fixed KV cache size instead of vLLM's profiling (two roles sharing "
+                   "one GPU: the FFN rank's allocations during the attention's memory "
+                   "profiling would count against it)")
+    p.add_argument("--log-dir", help="keep the engines' logs (and traces) here instead of a "
+                   "temporary directory")
     p.add_argument("--attention-gpu", default="0")
     p.add_argument("--ffn-gpu", default="1", help="GPU of the FFN rank ('0' to share one)")
     p.add_argument("--attention-cpus", help="CPU: cores of the AFD attention rank's process, "
@@ -349,6 +358,8 @@ def main() -> int:
         common += ["--compilation-config", a.compilation_config]
     if a.gpu_memory_utilization:
         common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    if a.kv_cache_memory_bytes:
+        common += ["--kv-cache-memory-bytes", str(a.kv_cache_memory_bytes)]
     if a.dbo_threshold is not None:
         common += ["--dbo-threshold", str(a.dbo_threshold)]
     routings = ["model", "balanced"] if a.routing == "both" else [a.routing]
@@ -364,7 +375,12 @@ def main() -> int:
              else ""),
           flush=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="afd-decode-") as tmp:
+    if a.log_dir:
+        Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+        workdir = contextlib.nullcontext(a.log_dir)
+    else:
+        workdir = tempfile.TemporaryDirectory(prefix="afd-decode-")
+    with workdir as tmp:
         for batch in batches:
             base = [*common, "--batch", str(batch)]
             for routing in routings:

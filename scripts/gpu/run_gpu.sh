@@ -45,10 +45,13 @@ if [ -n "${BENCH_ARGS:-}" ]; then
   python3 benchmarks/make_shape.py --preset deepseek-v2-lite --out /tmp/afd-dsv2-lite \
     > "$OUT/bench-$LOG.log" 2>&1
   eval "set -- $BENCH_ARGS"
+  rm -rf "/tmp/afd-bench-$LOG"
   timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/decode.py --model /tmp/afd-dsv2-lite \
     --load-format dummy --device cuda --dtype bfloat16 "$@" --json "$OUT/bench-$LOG.json" \
-    >> "$OUT/bench-$LOG.log" 2>&1
+    --log-dir "/tmp/afd-bench-$LOG" >> "$OUT/bench-$LOG.log" 2>&1
   brc=$?
+  # The engines' logs (not the traces) of every run, for a failure's root cause.
+  (cd /tmp && find "afd-bench-$LOG" -name '*.log' -print0 | tar czf "$OUT/bench-$LOG-logs.tgz" --null -T -)
   tail -40 "$OUT/bench-$LOG.log"
   [ "$rc" -eq 0 ] && rc=$brc
 fi
