@@ -117,3 +117,33 @@ def test_ffn_side_answers_later_micro_batches_from_the_announced_counts():
     assert ubatch_of(second.flags) == (1, 2)
     with pytest.raises(AFDPeerError, match="micro-batch 2 asked for, step 5 .* has 2"):
         conn.recv_control(first)
+
+
+def test_watchdog_skips_the_device_probe_during_graph_captures():
+    """vLLM captures in CUDA's global mode: the watchdog's synchronising read of the
+    error word would make the capture fail (seen at DeepSeek-V2-Lite shapes on an
+    H200), so it only checks the socket meanwhile."""
+    import socket
+
+    from vllm.afd import attention
+
+    conn = create_attention_connector(_ctx(role="attention"))
+    conn.sock, other = socket.socketpair()
+    reads = []
+
+    def read():
+        reads.append(attention._captures)
+        return 5
+
+    conn._read_error_word = read
+    try:
+        with attention.graph_capture_guard():
+            assert conn._probe() is None and reads == []
+            assert attention.unless_capturing(lambda: 1) is None
+        assert "did not answer within the timeout" in conn._probe()
+        assert "layer message 5" in conn._probe() and reads == [0, 0]
+        other.close()  # a closed peer is still seen during a capture
+        with attention.graph_capture_guard():
+            assert "connection closed" in conn._probe()
+    finally:
+        conn.sock.close()

@@ -11,6 +11,8 @@ FFN side mirrors them without any special case.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
@@ -193,6 +195,33 @@ def _install_step_metadata(meta: AFDStepMetadata) -> None:
 
 
 CLIENT = AttentionClient()
+
+# CUDA graph captures in progress in this process (see graph_capture_guard).
+_captures = 0
+_captures_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def graph_capture_guard():
+    """Around the model runner's graph captures (the worker calls it): vLLM
+    captures in CUDA's global mode, where a synchronising CUDA call of any other
+    thread - the cuda_ipc watchdog's probe of the device error word - makes the
+    capture fail. The watchdog skips that probe meanwhile (socket checks go on)."""
+    global _captures
+    with _captures_lock:
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _captures_lock:
+            _captures -= 1
+
+
+def unless_capturing(fn):
+    """``fn()``, or None while a graph capture is in progress; a capture waits
+    for a running ``fn`` to return before it starts."""
+    with _captures_lock:
+        return None if _captures else fn()
 
 
 def register_remote_layer(layer_idx: int, gated: bool = False) -> None:

@@ -416,16 +416,22 @@ class IPCAttentionConnector(TCPAttentionConnector):
             if self.sock is None:
                 return None
             return f"lost AFD peer {self.peer}: {e}"
-        with torch.cuda.stream(self._side):
-            self._host_err.copy_(self.err[:1], non_blocking=True)
-        self._side.synchronize()
-        seq = int(self._host_err[0])
+        from vllm.afd.attention import unless_capturing
+
+        # A synchronising call during a capture would make it fail (global mode).
+        seq = unless_capturing(self._read_error_word)
         if seq:
             return (
                 f"AFD peer {self.peer} did not answer within the timeout "
                 f"(timeout_s={self.timeout:g}, layer message {seq})"
             )
         return None
+
+    def _read_error_word(self) -> int:
+        with torch.cuda.stream(self._side):
+            self._host_err.copy_(self.err[:1], non_blocking=True)
+        self._side.synchronize()
+        return int(self._host_err[0])
 
     def close(self) -> None:
         self._closed.set()
