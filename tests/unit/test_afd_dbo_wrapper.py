@@ -130,3 +130,32 @@ def test_only_the_attention_role_with_dbo_is_wrapped():
     assert dbo.maybe_wrap(model, _vllm_config(role="ffn"), cpu) is model
     assert dbo.maybe_wrap(model, SimpleNamespace(afd_config=None), cpu) is model
     assert dbo.replaces_all2all(_vllm_config()) and not dbo.replaces_all2all(SimpleNamespace())
+
+
+def test_a_failed_micro_batch_thread_on_cuda_ends_the_engine_with_its_error(monkeypatch):
+    import threading
+
+    from vllm.afd import failure
+
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # quiet, restored after
+    monkeypatch.setattr(dbo, "_hook_installed", False)
+    ended, recorded = [], []
+    monkeypatch.setattr(dbo, "on_ubatch_failure", ended.append)
+    monkeypatch.setattr(failure, "record", lambda role, rank, msg: recorded.append((role, rank)))
+    cpu = _vllm_config()
+    cpu.device_config = SimpleNamespace(device=torch.device("cpu"))
+    assert dbo.watch_ubatch_threads(cpu, 0) is False  # the CPU wrapper has its own abort
+    cuda = _vllm_config()
+    cuda.device_config = SimpleNamespace(device=torch.device("cuda"))
+    assert dbo.watch_ubatch_threads(cuda, 3) is True
+
+    def fail():
+        raise RuntimeError("batch_size must be equal to batch_size_k")
+
+    for name in ("Thread-7 (_ubatch_thread)", "Thread-8 (other)"):
+        t = threading.Thread(target=fail, name=name)
+        t.start()
+        t.join()
+    assert ended == ["DBO micro-batch thread failed: RuntimeError: batch_size must be equal to "
+                     "batch_size_k"]
+    assert recorded == [("attention", 3)]  # the other thread's error is not an AFD failure

@@ -77,6 +77,9 @@ class AttentionClient:
             raise
         self.connector = connector
         atexit.register(self.close)
+        from vllm.afd import dbo
+
+        dbo.watch_ubatch_threads(vllm_config, rank)
 
     def exchange(
         self, x: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None = None

@@ -45,6 +45,43 @@ def step_ubatch_tokens() -> list[int] | None:
     return None if _step_tokens is None else list(_step_tokens)
 
 
+# Called with the failure message when a micro-batch thread of vLLM's CUDA
+# UBatchWrapper raised; the default ends the process. Tests replace it.
+on_ubatch_failure = None
+_hook_installed = False
+
+
+def watch_ubatch_threads(vllm_config: Any, rank: int) -> bool:
+    """CUDA DBO: vLLM's micro-batch threads have no error path - when one raises
+    (say inside an attention kernel), the other waits for a hand-over that never
+    comes, and the step would end only at the connector's timeout, reported as a
+    silent FFN peer. A thread exception hook records the real error for the
+    engine-death message and ends the process at once. True when installed."""
+    global _hook_installed
+    device = getattr(getattr(vllm_config, "device_config", None), "device", None)
+    if not enabled(vllm_config) or getattr(device, "type", None) != "cuda":
+        return False
+    if _hook_installed:
+        return True
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        previous(args)  # the traceback, as usual
+        name = getattr(args.thread, "name", "") or ""
+        if "_ubatch_thread" not in name:  # vLLM's (_capture)_ubatch_thread targets
+            return
+        msg = f"DBO micro-batch thread failed: {args.exc_type.__name__}: {args.exc_value}"
+        logger.error("AFD: %s; ending the engine (the other micro-batch cannot go on)", msg)
+        from vllm.afd import failure
+
+        failure.record("attention", rank, msg)
+        (on_ubatch_failure or failure.exit_now)(msg)
+
+    threading.excepthook = hook
+    _hook_installed = True
+    return True
+
+
 def enabled(vllm_config: Any) -> bool:
     """DBO requested on an AFD attention role (any device)."""
     cfg = getattr(vllm_config, "afd_config", None)

@@ -73,3 +73,16 @@ def engine_dead_detail() -> str:
     except Exception:  # noqa: BLE001 - never break the error path itself
         return ""
     return f" AFD: {msg}" if msg else ""
+
+
+def exit_now(message: str) -> None:
+    """End this process at once with status 1, after flushing the log (the
+    failure is recorded already). For failures that leave a thread stuck
+    where no exception can reach it: a GPU stream behind a device wait, or a
+    micro-batch thread waiting for a hand-over that will never come."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(1)

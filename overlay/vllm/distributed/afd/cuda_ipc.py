@@ -41,7 +41,6 @@ each process's device 0 its own GPU).
 
 from __future__ import annotations
 
-import os
 import select
 import threading
 import time
@@ -454,13 +453,7 @@ def _flat(d: dict) -> dict:
 
 
 def _exit_process(msg: str) -> None:
-    # Flush what the engine-death message reads (vllm.afd.failure) and the log.
-    import logging
-    import sys
-
-    logging.shutdown()
-    sys.stderr.flush()
-    os._exit(1)
+    failure.exit_now(msg)
 
 
 # ----------------------------------------------------------------- FFN side
