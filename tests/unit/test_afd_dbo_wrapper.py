@@ -113,6 +113,13 @@ def test_split_decision(num_tokens, uniform_decode, allow, decode_threshold, exp
     assert dbo.should_ubatch(pc, num_tokens, uniform_decode, allow) is expected
 
 
+def test_no_split_when_padding_would_leave_the_last_micro_batch_empty():
+    pc = _vllm_config(decode=2).parallel_config
+    assert dbo.should_ubatch(pc, 3, True, True, num_tokens_padded=4) is True  # 2 + 1 real
+    assert dbo.should_ubatch(pc, 3, True, True, num_tokens_padded=8) is False  # 4 + 0 real
+    assert dbo.should_ubatch(pc, 3, True, True) is True  # eager: no padding
+
+
 def test_on_cuda_only_uniform_decode_steps_are_split(monkeypatch):
     pc = _vllm_config(decode=2, prefill=4).parallel_config
     monkeypatch.setattr(dbo, "_on_cuda", lambda: True)

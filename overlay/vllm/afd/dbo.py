@@ -100,17 +100,27 @@ def replaces_all2all(vllm_config: Any) -> bool:
     return enabled(vllm_config)
 
 
-def should_ubatch(parallel_config: Any, num_tokens: int, uniform_decode: bool, allow: bool) -> bool:
+def should_ubatch(
+    parallel_config: Any,
+    num_tokens: int,
+    uniform_decode: bool,
+    allow: bool,
+    num_tokens_padded: int | None = None,
+) -> bool:
     """The split decision that data-parallel coordination makes in vLLM, for one
-    rank: at least the DBO token threshold, and no empty last micro-batch.
+    rank: at least the DBO token threshold, and no empty last micro-batch (the
+    split point is half of the CUDA-graph padded count ``num_tokens_padded``).
 
     On CUDA only uniform decode steps are split: vLLM 0.26.0's split of a
     prefill (or mixed) step's attention metadata fails inside FlashAttention
     ("batch_size must be equal to batch_size_k", measured on an H200), so those
     steps run whole - decode is where micro-batching hides the transfers."""
-    from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds
+    from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds, is_last_ubatch_empty
 
-    if not allow or num_tokens < parallel_config.num_ubatches:
+    n = parallel_config.num_ubatches
+    if not allow or num_tokens < n:
+        return False
+    if num_tokens_padded is not None and is_last_ubatch_empty(num_tokens, num_tokens_padded, n):
         return False
     if not uniform_decode and _on_cuda():
         return False
