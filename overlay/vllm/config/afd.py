@@ -264,7 +264,8 @@ class AFDConfig:
 
     def _verify_dbo(self, parallel: Any, device_type: str, model_config: Any = None) -> None:
         """DBO on the attention role: micro-batches at data-parallel size 1,
-        served by a connector that knows micro-batched steps."""
+        served by the connector of the device type that knows micro-batched
+        steps (gloo on the CPU, cuda_ipc on CUDA, with an MLA model)."""
         dp = getattr(parallel, "data_parallel_size", 1)
         if dp != 1:
             raise AFDConfigError(
