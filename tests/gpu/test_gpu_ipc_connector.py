@@ -1,8 +1,11 @@
 """The cuda_ipc connector on its own: two processes on one GPU.
 
 Eager steps and CUDA-graph replays of a three-layer exchange return exactly
-what the FFN process computed; a stalled FFN process and a killed one both
-end in the attention side's failure callback within a bounded time.
+what the FFN process computed, also for DBO steps (two micro-batch slots, each
+exchange on its own stream) and for a global-mode capture that lasts longer
+than the watchdog's period (graph_capture_guard); a stalled FFN process and a
+killed one both end in the attention side's failure callback within a bounded
+time.
 """
 
 from __future__ import annotations
@@ -58,17 +61,24 @@ def _ffn_main(port: int, stall_after: int, ready) -> None:
     conn = create_ffn_connector(_ctx("ffn", port))
     conn.start()
     ready.set()
+    from vllm.afd.protocol import ubatch_of
+    from vllm.distributed.afd.base import StepPeer
+
     served = 0
     while True:
         steps = conn.wait_step(timeout=0.2)
         for peer in steps:
             if served >= stall_after:
                 time.sleep(3600)  # alive, never answers
-            n = peer.control.num_tokens
-            x = torch.empty((n, HIDDEN), dtype=torch.bfloat16, device="cuda")
+            # A DBO step: its micro-batches layer by layer, as the FFN runner does.
+            peers = [peer] + [StepPeer(peer.rank, conn.recv_control(peer))
+                              for _ in range(1, ubatch_of(peer.control.flags)[1])]
+            xs = [torch.empty((p.control.num_tokens, HIDDEN), dtype=torch.bfloat16,
+                              device="cuda") for p in peers]
             for layer in range(LAYERS):
-                conn.recv(peer, x)
-                conn.send(peer, x * 2 + layer)
+                for p, x in zip(peers, xs):
+                    conn.recv(p, x)
+                    conn.send(p, x * 2 + layer)
             served += 1
 
 
@@ -103,6 +113,35 @@ class _Pair:
             self.conn.send(h)
             h = self.conn.recv(torch.empty_like(h))
         return h
+
+    def dbo_step(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One DBO step of two micro-batches, in the order vLLM's micro-batch
+        threads run them (hand-over at each exchange), from one thread: the
+        connector finds its slot through vLLM's micro-batch id of the thread."""
+        import threading
+
+        from vllm.v1.worker import ubatching
+
+        me = threading.get_ident()
+        tokens = [x.shape[0] for x in xs]
+        hs, waits = list(xs), [None, None]
+        try:
+            for layer in range(LAYERS):
+                for i in range(2):
+                    ubatching._THREAD_ID_TO_CONTEXT[me] = i
+                    if waits[i] is not None:
+                        hs[i] = waits[i]()  # this micro-batch resumes
+                    if layer == 0:
+                        self.conn.begin_step(0, tokens[i], ubatch=(i, 2), ubatch_tokens=tokens)
+                    self.conn.send(hs[i])
+                    waits[i] = self.conn.recv_start(torch.empty_like(hs[i]))
+            out = []
+            for i in range(2):
+                ubatching._THREAD_ID_TO_CONTEXT[me] = i
+                out.append(waits[i]())
+            return out
+        finally:
+            ubatching._THREAD_ID_TO_CONTEXT.pop(me, None)
 
     def wait_failure(self, bound: float) -> str:
         t0 = time.monotonic()
@@ -181,3 +220,53 @@ def test_killed_ffn_fails_fast(pair):
     assert "lost AFD peer" in msg, msg
     assert elapsed < 2, elapsed
     print(f"killed FFN: failure reported {elapsed:.2f} s after SIGKILL")
+
+
+def test_dbo_steps_use_one_slot_and_stream_per_micro_batch(pair):
+    p = pair()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for n0, n1 in ((1, 1), (2, 1), (32, 32), (64, 63)):  # eager
+        xs = [torch.randn((n, HIDDEN), dtype=torch.bfloat16, device="cuda", generator=gen)
+              for n in (n0, n1)]
+        out = p.dbo_step(xs)
+        assert all(torch.equal(o, _reference(x)) for o, x in zip(out, xs)), (n0, n1)
+        x = torch.randn((n0 + n1, HIDDEN), dtype=torch.bfloat16, device="cuda", generator=gen)
+        assert torch.equal(p.step(x), _reference(x))  # a step that is not micro-batched
+    static = [torch.randn((n, HIDDEN), dtype=torch.bfloat16, device="cuda", generator=gen)
+              for n in (4, 3)]
+    p.dbo_step(static)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # both micro-batches in one graph, as vLLM's wrapper does
+        out = p.dbo_step(static)
+    for _ in range(10):
+        xs = [torch.randn(s.shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+              for s in static]
+        for s, x in zip(static, xs):
+            s.copy_(x)
+        graph.replay()
+        assert all(torch.equal(o, _reference(x)) for o, x in zip(out, xs))
+    torch.cuda.synchronize()
+    assert not p.failures
+
+
+def test_a_long_global_mode_capture_survives_the_watchdog(pair):
+    """vLLM captures in global mode; the watchdog probes the device every 0.1 s
+    from its own thread. Inside graph_capture_guard (patch 0013 puts vLLM's
+    capture_model there) a capture lasting many probe periods succeeds."""
+    from vllm.afd.attention import graph_capture_guard
+
+    p = pair()
+    static = torch.randn((8, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    p.step(static)
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture_guard(), torch.cuda.graph(graph):  # capture_error_mode "global"
+        h = p.step(static)
+        time.sleep(0.6)  # six watchdog periods
+        out = p.step(h)
+    x = torch.randn((8, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    static.copy_(x)
+    graph.replay()
+    assert torch.equal(out, _reference(_reference(x)))
+    time.sleep(0.3)  # the watchdog probes the device again, without failures
+    torch.cuda.synchronize()
+    assert not p.failures and p.conn._watch.is_alive()
