@@ -206,7 +206,8 @@ def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
 
 
 # DBO on CUDA needs MLA attention (vllm.config.afd refuses the others: on an H200 the
-# FLASH_ATTN micro-batch split crashed in eager mode and gave wrong tokens with graphs).
+# FLASH_ATTN micro-batch metadata crashed in eager mode and gave wrong tokens with graphs;
+# patch 0014 fixes the cause, to be proven here with qwen3_moe before the refusal goes).
 @pytest.mark.parametrize("mode", ["eager", "graphs"])
 @pytest.mark.parametrize("name", ["deepseek_v2_mla"])
 def test_gpu_oracle_dbo(name, mode, tmp_path, procs):

@@ -495,7 +495,7 @@ def test_verify_dbo_refused_on_the_ffn_role():
                                                 r"'cuda_ipc' \(got 'gloo'\)"),
         (_dbo_vllm(device_type="xpu"), "gloo", r"--enable-dbo on 'xpu' is not supported yet"),
         (_dbo_vllm(device_type="cuda", mla=False), "cuda_ipc",
-         r"--enable-dbo on CUDA needs an MLA model .*batch_size must be equal to batch_size_k"),
+         r"--enable-dbo on CUDA needs an MLA model .*only MLA is proven.*patch 0014"),
         (_dbo_vllm(device_type="cuda", num_ubatches=3), "cuda_ipc",
          r"cuda_ipc connector serves at most 2 micro-batches per step.*asks for 3"),
     ],

@@ -111,10 +111,11 @@ def should_ubatch(
     rank: at least the DBO token threshold, and no empty last micro-batch (the
     split point is half of the CUDA-graph padded count ``num_tokens_padded``).
 
-    On CUDA only uniform decode steps are split: vLLM 0.26.0's split of a
-    prefill (or mixed) step's attention metadata fails inside FlashAttention
-    ("batch_size must be equal to batch_size_k", measured on an H200), so those
-    steps run whole - decode is where micro-batching hides the transfers."""
+    On CUDA only uniform decode steps are split: that is what is proven
+    against plain vLLM on a GPU (split prefill steps failed inside
+    FlashAttention on an H200, "batch_size must be equal to batch_size_k" - the
+    metadata reuse that patch 0014 fixes - and were not re-run since); decode
+    is where micro-batching hides the transfers."""
     from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds, is_last_ubatch_empty
 
     n = parallel_config.num_ubatches

@@ -293,10 +293,11 @@ class AFDConfig:
         ):
             raise AFDConfigError(
                 "AFD: --enable-dbo on CUDA needs an MLA model (DeepSeek-V2/V3) in this "
-                "release: with the FLASH_ATTN backend, vLLM 0.26.0's split of decode "
-                "attention metadata into micro-batches at data-parallel size 1 fails "
-                "('batch_size must be equal to batch_size_k') or gives wrong tokens "
-                "(measured on an H200); drop --enable-dbo"
+                "release: only MLA is proven against plain vLLM on a GPU. FLASH_ATTN "
+                "models failed on an H200 ('batch_size must be equal to batch_size_k', "
+                "wrong tokens) because vLLM reused micro-batch 0's attention metadata "
+                "for micro-batch 1; patch 0014 fixes that, not yet re-run on a GPU. "
+                "Drop --enable-dbo"
             )
         n = getattr(parallel, "num_ubatches", 2)
         if self.connector == "cuda_ipc" and n > IPC_MAX_UBATCHES:
