@@ -240,7 +240,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         self.timeout_ns = _timeout_ns(ctx)
         # Called with the failure message from the watchdog thread; the default
         # ends the process (see the module docstring). Tests replace it.
-        self.on_failure = _exit_process
+        self.on_failure = failure.exit_now
         self.slot_bytes = 0  # set with the buffers (message_bytes)
         self._send_off = [0] * SLOTS
         self._watch: threading.Thread | None = None
@@ -450,10 +450,6 @@ def _flat(d: dict) -> dict:
         else:
             out[name] = sub
     return out
-
-
-def _exit_process(msg: str) -> None:
-    failure.exit_now(msg)
 
 
 # ----------------------------------------------------------------- FFN side
