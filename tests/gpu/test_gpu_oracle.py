@@ -205,11 +205,10 @@ def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
     assert "captured a CUDA graph" not in _ffn_log(tmp_path)
 
 
-# DBO on CUDA needs MLA attention (vllm.config.afd refuses the others: on an H200 the
-# FLASH_ATTN micro-batch metadata crashed in eager mode and gave wrong tokens with graphs;
-# patch 0014 fixes the cause, to be proven here with qwen3_moe before the refusal goes).
+# Prefill and decode steps of at least 2 tokens are micro-batched (prefills run eagerly,
+# also with FULL_DECODE_ONLY graphs). Qwen3-MoE (FLASH_ATTN) needs patch 0014.
 @pytest.mark.parametrize("mode", ["eager", "graphs"])
-@pytest.mark.parametrize("name", ["deepseek_v2_mla"])
+@pytest.mark.parametrize("name", ["deepseek_v2_mla", "qwen3_moe"])
 def test_gpu_oracle_dbo(name, mode, tmp_path, procs):
     """--enable-dbo: steps of at least 2 tokens run as two micro-batches whose
     exchanges run on their own streams (cuda_ipc slots); with graphs the

@@ -477,6 +477,9 @@ def test_verify_dbo_ok_on_the_cpu_with_gloo():
 
 def test_verify_dbo_ok_on_cuda_with_cuda_ipc():
     cfg(role="attention", connector="cuda_ipc").verify_with_vllm_config(_dbo_vllm("cuda"))
+    # FLASH_ATTN models too (patch 0014: one attention-metadata cache entry per micro-batch)
+    cfg(role="attention", connector="cuda_ipc").verify_with_vllm_config(
+        _dbo_vllm("cuda", mla=False))
 
 
 def test_verify_dbo_refused_on_the_ffn_role():
@@ -494,8 +497,6 @@ def test_verify_dbo_refused_on_the_ffn_role():
         (_dbo_vllm(device_type="cuda"), "gloo", r"--enable-dbo on 'cuda' needs connector "
                                                 r"'cuda_ipc' \(got 'gloo'\)"),
         (_dbo_vllm(device_type="xpu"), "gloo", r"--enable-dbo on 'xpu' is not supported yet"),
-        (_dbo_vllm(device_type="cuda", mla=False), "cuda_ipc",
-         r"--enable-dbo on CUDA needs an MLA model .*only MLA is proven.*patch 0014"),
         (_dbo_vllm(device_type="cuda", num_ubatches=3), "cuda_ipc",
          r"cuda_ipc connector serves at most 2 micro-batches per step.*asks for 3"),
     ],

@@ -120,15 +120,6 @@ def test_no_split_when_padding_would_leave_the_last_micro_batch_empty():
     assert dbo.should_ubatch(pc, 3, True, True) is True  # eager: no padding
 
 
-def test_on_cuda_only_uniform_decode_steps_are_split(monkeypatch):
-    pc = _vllm_config(decode=2, prefill=4).parallel_config
-    monkeypatch.setattr(dbo, "_on_cuda", lambda: True)
-    assert dbo.should_ubatch(pc, 2, True, True) is True
-    assert dbo.should_ubatch(pc, 64, False, True) is False  # prefill: run whole
-    monkeypatch.setattr(dbo, "_on_cuda", lambda: False)
-    assert dbo.should_ubatch(pc, 64, False, True) is True  # the CPU splits prefills too
-
-
 def test_only_the_attention_role_with_dbo_is_wrapped():
     model = object()
     cpu = torch.device("cpu")

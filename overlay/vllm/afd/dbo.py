@@ -110,12 +110,8 @@ def should_ubatch(
     """The split decision that data-parallel coordination makes in vLLM, for one
     rank: at least the DBO token threshold, and no empty last micro-batch (the
     split point is half of the CUDA-graph padded count ``num_tokens_padded``).
-
-    On CUDA only uniform decode steps are split: that is what is proven
-    against plain vLLM on a GPU (split prefill steps failed inside
-    FlashAttention on an H200, "batch_size must be equal to batch_size_k" - the
-    metadata reuse that patch 0014 fixes - and were not re-run since); decode
-    is where micro-batching hides the transfers."""
+    Prefill and decode steps follow vLLM's two DBO token thresholds, on the CPU
+    and on CUDA (where split FLASH_ATTN steps need patch 0014)."""
     from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds, is_last_ubatch_empty
 
     n = parallel_config.num_ubatches
@@ -123,15 +119,7 @@ def should_ubatch(
         return False
     if num_tokens_padded is not None and is_last_ubatch_empty(num_tokens, num_tokens_padded, n):
         return False
-    if not uniform_decode and _on_cuda():
-        return False
     return check_ubatch_thresholds(parallel_config, num_tokens, uniform_decode)
-
-
-def _on_cuda() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cuda()
 
 
 def maybe_wrap(model: Any, vllm_config: Any, device: torch.device) -> Any:

@@ -236,7 +236,7 @@ class AFDConfig:
                     "AFD: --enable-dbo is an attention-server option (the FFN rank serves "
                     "the micro-batches it is sent); drop it from the FFN server"
                 )
-            self._verify_dbo(parallel, device_type, model_config)
+            self._verify_dbo(parallel, device_type)
         if self.connector in GRAPH_CAPABLE_CONNECTORS and device_type != "cuda":
             raise AFDConfigError(
                 f"AFD: connector {self.connector!r} moves activations between CUDA devices of "
@@ -262,10 +262,10 @@ class AFDConfig:
             )
             model_config.enforce_eager = True
 
-    def _verify_dbo(self, parallel: Any, device_type: str, model_config: Any = None) -> None:
+    def _verify_dbo(self, parallel: Any, device_type: str) -> None:
         """DBO on the attention role: micro-batches at data-parallel size 1,
         served by the connector of the device type that knows micro-batched
-        steps (gloo on the CPU, cuda_ipc on CUDA, with an MLA model)."""
+        steps (gloo on the CPU, cuda_ipc on CUDA)."""
         dp = getattr(parallel, "data_parallel_size", 1)
         if dp != 1:
             raise AFDConfigError(
@@ -287,17 +287,6 @@ class AFDConfig:
             raise AFDConfigError(
                 f"AFD: --enable-dbo on {device_type!r} needs connector {wanted!r} "
                 f"(got {self.connector!r})"
-            )
-        if device_type == "cuda" and model_config is not None and not getattr(
-            model_config, "use_mla", False
-        ):
-            raise AFDConfigError(
-                "AFD: --enable-dbo on CUDA needs an MLA model (DeepSeek-V2/V3) in this "
-                "release: only MLA is proven against plain vLLM on a GPU. FLASH_ATTN "
-                "models failed on an H200 ('batch_size must be equal to batch_size_k', "
-                "wrong tokens) because vLLM reused micro-batch 0's attention metadata "
-                "for micro-batch 1; patch 0014 fixes that, not yet re-run on a GPU. "
-                "Drop --enable-dbo"
             )
         n = getattr(parallel, "num_ubatches", 2)
         if self.connector == "cuda_ipc" and n > IPC_MAX_UBATCHES:
