@@ -6,7 +6,9 @@
 hold the Chrome traces that vLLM's torch profiler writes (``*.pt.trace.json[.gz]``; the FFN
 rank's is named ``afd-ffn-rank<f>``), recorded over the same decode steps. The attention
 server must run with ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``: its steps are delimited by
-vLLM's ``gpu_model_runner: forward`` spans, which vLLM records only then.
+vLLM's ``gpu_model_runner: forward`` spans, which vLLM records only then (model runner V1).
+Model runner V2 records none: there the device timeline's step-control kernels of the
+cuda_ipc connector (one per step) delimit the steps.
 
 Per role, per step (then per remote layer: the step's figure over its layer count):
 
@@ -48,7 +50,8 @@ from pathlib import Path
 FORWARD = "gpu_model_runner: forward"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 WAIT_KERNELS = ("_wait_kernel",)
-SIGNAL_KERNELS = ("_signal_kernel", "_control_kernel")
+CONTROL_KERNEL = "_control_kernel"
+SIGNAL_KERNELS = ("_signal_kernel", CONTROL_KERNEL)
 
 
 class TraceError(RuntimeError):
@@ -178,24 +181,44 @@ def _device_figures(per_cat, wins, names: tuple[str, str, str]) -> dict[str, flo
     return fig
 
 
+def _kernel_starts(events: list[dict], name: str) -> list[float]:
+    return sorted(
+        float(e["ts"]) for e in events if e.get("cat") == "kernel" and name in str(e.get("name"))
+    )
+
+
+def _attention_device(per_cat, dwins) -> RoleFigures:
+    # One wait kernel per layer exchange (host spans of DBO micro-batch threads may be
+    # missing, below).
+    layers = sum(_count_in(per_cat["wait"], w) for w in dwins) / len(dwins)
+    fig = _device_figures(per_cat, dwins, ("attention", "send", "wait"))
+    return RoleFigures("attention", "device", len(dwins), layers, fig, dwins)
+
+
 def attention_figures(events: list[dict]) -> RoleFigures:
     forwards = _spans(events, FORWARD)
+    per_cat = _device(events)
+    if len(forwards) < 2 and per_cat is not None:
+        # Model runner V2 records no step spans: on the device timeline the cuda_ipc
+        # connector's step-control kernel (one per step, at its first remote layer,
+        # inside CUDA graphs too) delimits the steps instead.
+        controls = _kernel_starts(events, CONTROL_KERNEL)
+        if len(controls) >= 3:
+            return _attention_device(per_cat, _windows(controls))
     if len(forwards) < 2:
         raise TraceError(
-            f"attention trace: {len(forwards)} '{FORWARD}' span(s); need at least 2 "
-            "forward passes (run the attention server with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 "
-            "and profile more decode steps)"
+            f"attention trace: {len(forwards)} '{FORWARD}' span(s) and no steps from a "
+            "device timeline; need at least 2 forward passes (run the attention server "
+            "with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 and profile more decode steps; model "
+            "runner V2 records no such spans: profile with CUDA activities and a connector "
+            f"that launches '{CONTROL_KERNEL}' (cuda_ipc), or use model runner V1)"
         )
     wins = _windows([s for s, _ in forwards])
-    per_cat = _device(events)
     if per_cat is not None:
         # A forward's launches run on the device a little later: windows are the device
-        # extent of the forward spans where the trace has them. One wait kernel per
-        # layer exchange (host spans of DBO micro-batch threads may be missing, below).
+        # extent of the forward spans where the trace has them.
         dwins = _windows([s for s, _ in _spans(events, FORWARD, device=True)]) or wins
-        layers = sum(_count_in(per_cat["wait"], w) for w in dwins) / len(dwins)
-        fig = _device_figures(per_cat, dwins, ("attention", "send", "wait"))
-        return RoleFigures("attention", "device", len(dwins), layers, fig, dwins)
+        return _attention_device(per_cat, dwins)
     send = _spans(events, "afd.send")
     if not any(_count_in(send, w) for w in wins):
         raise TraceError(

@@ -123,6 +123,25 @@ def test_device_timeline_wins_over_host_spans(role):
     assert f.per_step["device idle"] == pytest.approx(240.0)
 
 
+def test_model_runner_v2_steps_come_from_the_control_kernels():
+    """Runner V2 records no forward spans: each step's control kernel (at its first
+    remote layer) starts a window; the same device figures as with the spans."""
+    ev = [e for e in device_trace("attention") if e["name"] != bd.FORWARD]
+    for i in range(4):
+        ev.append(X("_control_kernel", i * 1000.0 + 20, 5, cat="kernel"))
+    f = bd.attention_figures(ev)
+    assert f.source == "device" and f.steps == 3 and f.layers == 1
+    assert [round(a) for a, _ in f.windows] == [20, 1020, 2020]
+    assert f.per_step["step"] == pytest.approx(1000.0)
+    assert f.per_step["attention"] == pytest.approx(400.0)
+    assert f.per_step["send"] == pytest.approx(65.0)  # signal + copy + the control kernel
+    assert f.per_step["wait"] == pytest.approx(300.0)
+    # Without a device timeline nothing delimits the steps: said, not guessed.
+    host_only = [e for e in ev if e["cat"] == "user_annotation"]
+    with pytest.raises(bd.TraceError, match="model runner V2 records no such spans"):
+        bd.attention_figures(host_only)
+
+
 def test_graph_replays_without_a_device_timeline_are_refused():
     ev = [X("afd.ffn_step", i * 100.0, 50) for i in range(3)]
     ev += [X("afd.ffn_graph_replay", i * 100.0 + 1, 40) for i in range(3)]
@@ -200,3 +219,25 @@ def test_trace_files_found_and_read(tmp_path):
     empty.mkdir()
     with pytest.raises(bd.TraceError, match="no torch profiler trace"):
         bd.breakdown(att, empty)
+
+
+def test_decode_waits_only_for_traces_not_written_yet(tmp_path):
+    """benchmarks/decode.py: a trace not there yet is waited for (up to the timeout);
+    one that is there but cannot give a breakdown fails at once, with the reason."""
+    import time
+
+    import decode
+
+    t0 = time.monotonic()
+    with pytest.raises(decode.BreakdownError, match="no torch profiler trace"):
+        decode.run_breakdown(tmp_path, "afd_b8", timeout=1.5)
+    assert 1.5 <= time.monotonic() - t0 < 10
+    for role, ev in (("attention", attention_host(steps=1)), ("ffn", ffn_host())):
+        d = tmp_path / f"afd_b8_trace_{role}"
+        d.mkdir()
+        name = "afd-ffn-rank0.pt.trace.json" if role == "ffn" else "attn.pt.trace.json"
+        (d / name).write_text(json.dumps({"traceEvents": ev}))
+    t0 = time.monotonic()
+    with pytest.raises(decode.BreakdownError, match="1 'gpu_model_runner: forward' span"):
+        decode.run_breakdown(tmp_path, "afd_b8", timeout=60)
+    assert time.monotonic() - t0 < 5
