@@ -284,7 +284,9 @@ def fetch_artifact(kind: str, pin: Pin | None = None, source: str | None = None)
             url = source
         else:
             url = _resolve_from_index(opener, project, filename)
-        log(f"afdtool: downloading {filename} from {_redact(url)}")
+        # The index's address stays out of logs (it comes from pip's configuration).
+        where = _redact(url) if source else "the package index"
+        log(f"afdtool: downloading {filename} from {where}")
         try:
             download(opener, url, tmp, filename)
         except (urllib.error.URLError, OSError) as exc:
