@@ -521,11 +521,12 @@ class Server:
     def start(cls, name: str, model: str | os.PathLike, port: int,
               log_path: str | os.PathLike, *, afd_config: dict[str, Any] | None = None,
               python: str | None = None, env: dict[str, str] | None = None,
-              extra_args: list[str] | None = None, host: str = "127.0.0.1") -> Server:
-        """Start ``vllm serve`` with the CPU flags; ``env`` is added to os.environ and
-        CPU_SERVE_ENV."""
+              extra_args: list[str] | None = None, host: str = "127.0.0.1",
+              cpu_args: bool = True) -> Server:
+        """Start ``vllm serve`` with the CPU flags (unless ``cpu_args`` is false); ``env``
+        is added to os.environ and CPU_SERVE_ENV."""
         cmd = serve_command(model, port, python=python, afd=afd_config, host=host,
-                            extra_args=extra_args)
+                            extra_args=extra_args, cpu_args=cpu_args)
         full_env = {**os.environ, **CPU_SERVE_ENV, **(env or {})}
         full_env.setdefault("VLLM_PORT", str(internal_port_base()))
         t0 = time.monotonic()

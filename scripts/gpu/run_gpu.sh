@@ -55,4 +55,21 @@ if [ -n "${BENCH_ARGS:-}" ]; then
   tail -40 "$OUT/bench-$LOG.log"
   [ "$rc" -eq 0 ] && rc=$brc
 fi
+# SERVE_ARGS: arguments of benchmarks/serve.py (OpenAI API, vllm bench serve) on the same
+# DeepSeek-V2-Lite shape, e.g. "--modes plain,afd,afd_dbo,plain_x2 --num-prompts 64
+# --input-len 64 --output-len 256 --connector cuda_ipc --serve-args '--dtype bfloat16
+# --max-num-seqs 64 --max-num-batched-tokens 64'"; figures to $OUT/serve-$LOG.{log,json}.
+if [ -n "${SERVE_ARGS:-}" ]; then
+  python3 benchmarks/make_shape.py --preset deepseek-v2-lite --out /tmp/afd-dsv2-lite \
+    > "$OUT/serve-$LOG.log" 2>&1
+  eval "set -- $SERVE_ARGS"
+  rm -rf "/tmp/afd-serve-$LOG"
+  timeout "${SERVE_TIMEOUT:-540}" python3 benchmarks/serve.py --model /tmp/afd-dsv2-lite \
+    --load-format dummy --device cuda "$@" --json "$OUT/serve-$LOG.json" \
+    --log-dir "/tmp/afd-serve-$LOG" >> "$OUT/serve-$LOG.log" 2>&1
+  src=$?
+  (cd /tmp && find "afd-serve-$LOG" -name '*.log' -print0 | tar czf "$OUT/serve-$LOG-logs.tgz" --null -T -)
+  tail -30 "$OUT/serve-$LOG.log"
+  [ "$rc" -eq 0 ] && rc=$src
+fi
 exit $rc

@@ -1,0 +1,271 @@
+"""Serving benchmark through the OpenAI API: plain vLLM vs AFD 1A1F, with ``vllm bench serve``.
+
+The GPU issue's reference figures were taken this way (64 requests of 64 prompt and 256
+output tokens sent at once, at most 64 sequences and 64 batched tokens per step, FULL decode
+graphs of size 64); on the GPU host, after ``benchmarks/make_shape.py --preset
+deepseek-v2-lite --out CONFIG_DIR``::
+
+    python3 benchmarks/serve.py --model CONFIG_DIR --load-format dummy --device cuda \\
+        --modes plain,afd,afd_dbo,plain_x2 --num-prompts 64 --input-len 64 --output-len 256 \\
+        --attention-gpu 0 --ffn-gpu 1 --connector cuda_ipc --serve-args "--dtype bfloat16 \\
+        --max-num-seqs 64 --max-num-batched-tokens 64 --compilation-config \\
+        '{\\"cudagraph_mode\\": \\"FULL_DECODE_ONLY\\", \\"cudagraph_capture_sizes\\": [64]}'"
+
+On the CPU (tiny checkpoint, a functional check rather than a figure)::
+
+    .venv/bin/python benchmarks/serve.py --model build/models/qwen3_moe --modes plain,afd
+
+Modes: ``plain`` (one ``vllm serve``), ``afd`` (an FFN server and an attention server),
+``afd_dbo`` (the same, the attention server with ``--enable-dbo``), ``plain_x2`` (two plain
+servers, one per GPU, each sent ``--num-prompts`` requests at once, figures summed: what a
+user with two GPUs would run instead of AFD 1A1F). Every mode's servers are started, measured
+and stopped before the next mode's. Figures per mode, from ``vllm bench serve``'s result:
+output tokens/s, requests/s, mean and median TPOT and TTFT, the duration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import serve_util as su  # noqa: E402
+
+MODES = ("plain", "afd", "afd_dbo", "plain_x2")
+# vllm bench serve's result keys reported here (summed over plain_x2's replicas where
+# marked True, averaged otherwise).
+FIGURES = {
+    "completed": True,
+    "total_output_tokens": True,
+    "output_throughput": True,
+    "request_throughput": True,
+    "mean_tpot_ms": False,
+    "median_tpot_ms": False,
+    "mean_ttft_ms": False,
+    "median_ttft_ms": False,
+    "duration": False,
+}
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def bench_command(a, url: str, result_dir: Path, name: str) -> list[str]:
+    """argv of the ``vllm bench serve`` client against the server at ``url``."""
+    return [
+        *su.vllm_cli(), "bench", "serve",
+        "--backend", "vllm", "--base-url", url,
+        "--model", str(a.model), "--tokenizer", str(a.model),
+        "--dataset-name", "random",
+        "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+        "--random-range-ratio", "0",
+        "--num-prompts", str(a.num_prompts),
+        "--max-concurrency", str(a.max_concurrency or a.num_prompts),
+        "--request-rate", "inf", "--ignore-eos", "--seed", "0",
+        "--num-warmups", str(a.warmups),
+        "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json",
+    ]  # fmt: skip
+
+
+def server_args(a) -> list[str]:
+    args = ["--load-format", a.load_format, "--seed", "0", "--no-enable-prefix-caching",
+            "--max-model-len", str(a.input_len + a.output_len + 16)]
+    return args + shlex.split(a.serve_args or "")
+
+
+def gpu_env(a, own: str, peer: str | None) -> dict[str, str]:
+    if a.device != "cuda":
+        return {}
+    if peer is not None and peer != own and a.connector == "cuda_ipc":
+        # Each side must see the other's GPU; its own comes first (device 0).
+        return {"CUDA_VISIBLE_DEVICES": f"{own},{peer}"}
+    return {"CUDA_VISIBLE_DEVICES": own}
+
+
+def start(a, name: str, work: Path, *, afd: dict | None = None, env: dict | None = None,
+          extra: list[str] | None = None) -> su.Server:
+    port = su.free_port()
+    print(f"  starting {name} server (port {port}, log {work / f'{name}.log'})", flush=True)
+    return su.Server.start(name, a.model, port, work / f"{name}.log", afd_config=afd,
+                           python=sys.executable, env=env,
+                           extra_args=[*server_args(a), *(extra or [])],
+                           cpu_args=a.device == "cpu")
+
+
+def servers_for(a, mode: str, work: Path) -> list[su.Server]:
+    """Start the servers of one mode (FFN first) and wait until all are healthy; the
+    ones the client talks to come first in the returned list."""
+    servers: list[su.Server] = []
+    try:
+        if mode == "plain":
+            servers.append(start(a, "plain", work, env=gpu_env(a, a.attention_gpu, None)))
+        elif mode == "plain_x2":
+            for i, gpu in enumerate((a.attention_gpu, a.ffn_gpu)):
+                servers.append(start(a, f"plain_x2_{i}", work, env=gpu_env(a, gpu, None)))
+        else:
+            cfg = dict(port=su.free_port(), connector=a.connector, timeout_s=a.afd_timeout)
+            if a.connector_extra:
+                cfg["connector_extra_config"] = json.loads(a.connector_extra)
+            ffn = start(a, f"{mode}_ffn", work, afd=su.afd_config("ffn", **cfg),
+                        env=gpu_env(a, a.ffn_gpu, a.attention_gpu))
+            servers.append(ffn)
+            extra = shlex.split(a.attention_args or "")
+            if mode == "afd_dbo":
+                extra.append("--enable-dbo")
+            attn = start(a, f"{mode}_attention", work, afd=su.afd_config("attention", **cfg),
+                         env=gpu_env(a, a.attention_gpu, a.ffn_gpu), extra=extra)
+            servers.insert(0, attn)
+        took = su.wait_all_healthy(servers, timeout=a.start_timeout)
+        print("  healthy after " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()),
+              flush=True)
+        return servers
+    except BaseException:
+        su.stop_servers(servers)
+        raise
+
+
+def run_clients(a, mode: str, clients: list[su.Server], work: Path) -> list[dict]:
+    """One ``vllm bench serve`` per client server, all at once; their results."""
+    procs = []
+    for srv in clients:
+        log = open(work / f"{srv.name}_bench.log", "w")
+        cmd = bench_command(a, srv.url, work, f"{srv.name}_result")
+        procs.append((srv, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL), log))
+    deadline = time.monotonic() + a.timeout
+    results = []
+    try:
+        for srv, proc, _ in procs:
+            try:
+                rc = proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise BenchError(f"{mode}: vllm bench serve against {srv.name} gave no result "
+                                 f"within {a.timeout:.0f} s; server log tail:\n"
+                                 f"{srv.log_tail(30)}") from None
+            if rc != 0:
+                raise BenchError(f"{mode}: vllm bench serve against {srv.name} failed (rc="
+                                 f"{rc}):\n{su.log_tail(work / f'{srv.name}_bench.log', 30)}"
+                                 f"\n--- server ---\n{srv.log_tail(30)}")
+            results.append(json.loads((work / f"{srv.name}_result.json").read_text()))
+    finally:
+        for _, proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    return results
+
+
+def combine(results: list[dict]) -> dict:
+    out = {}
+    for key, summed in FIGURES.items():
+        vals = [float(r[key]) for r in results if r.get(key) is not None]
+        if vals:
+            out[key] = sum(vals) if summed else sum(vals) / len(vals)
+    return out
+
+
+def measure(a, mode: str, work: Path) -> dict:
+    servers = servers_for(a, mode, work)
+    try:
+        clients = servers[:2] if mode == "plain_x2" else servers[:1]
+        results = run_clients(a, mode, clients, work)
+        for srv in servers:
+            srv.check_alive()
+    finally:
+        su.stop_servers(servers)
+    fig = combine(results)
+    want = a.num_prompts * len(results)
+    if int(fig.get("completed", 0)) != want:
+        raise BenchError(f"{mode}: {fig.get('completed')} of {want} requests completed")
+    return fig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint or config directory")
+    p.add_argument("--load-format", default="auto", help="'dummy' for real shapes, no weights")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--modes", default="plain,afd", help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--num-prompts", type=int, default=8, help="requests per server")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight per server (default: all of them)")
+    p.add_argument("--warmups", type=int, default=4,
+                   help="warm-up requests per server before the measured ones")
+    p.add_argument("--input-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--serve-args", help="more `vllm serve` flags for every server, one "
+                   "string (e.g. \"--dtype bfloat16 --max-num-seqs 64\")")
+    p.add_argument("--attention-args", help="more flags for the AFD attention server only "
+                   "(e.g. \"--dbo-decode-token-threshold 8\")")
+    p.add_argument("--connector", default="gloo")
+    p.add_argument("--connector-extra", help="JSON connector_extra_config for both AFD roles")
+    p.add_argument("--afd-timeout", type=float, default=120.0, help="AFD timeout_s")
+    p.add_argument("--attention-gpu", default="0", help="GPU of plain / the attention server")
+    p.add_argument("--ffn-gpu", default="1", help="GPU of the FFN server (plain_x2: the "
+                   "second replica's)")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=900.0, help="per bench client")
+    p.add_argument("--log-dir", help="keep servers' and clients' logs here")
+    p.add_argument("--json", help="write the figures here")
+    a = p.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        p.error(f"--modes: unknown {bad} (choose from {', '.join(MODES)})")
+    if "plain_x2" in modes and (a.device != "cuda" or a.attention_gpu == a.ffn_gpu):
+        p.error("--modes plain_x2 needs two GPUs (--device cuda, --attention-gpu and "
+                "--ffn-gpu different): two replicas on one device measure nothing useful")
+    if a.num_prompts < 1 or a.input_len < 1 or a.output_len < 2:
+        p.error("--num-prompts and --input-len must be at least 1, --output-len at least 2")
+    if not Path(a.model).is_dir():
+        p.error(f"--model {a.model}: not a directory")
+    a.modes = modes
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    su.install_cleanup()
+    print(f"model {a.model} ({a.load_format}), device {a.device}, {a.num_prompts} requests "
+          f"of {a.input_len} + {a.output_len} tokens per server, connector {a.connector}; "
+          f"serve args: {a.serve_args or '-'}", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="afd-serve-bench-") as tmp:
+        work = Path(a.log_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for mode in a.modes:
+            print(f"{mode}:", flush=True)
+            t0 = time.perf_counter()
+            try:
+                fig = measure(a, mode, work / mode)
+            except (BenchError, su.ServerDied) as e:
+                print(f"{mode} failed: {e}", file=sys.stderr, flush=True)
+                return 1
+            fig.update(mode=mode, wall_s=time.perf_counter() - t0)
+            results.append(fig)
+            print(f"  {mode:9s} output {fig['output_throughput']:9.1f} tok/s  "
+                  f"TPOT mean {fig.get('mean_tpot_ms', float('nan')):7.2f} ms  "
+                  f"TTFT mean {fig.get('mean_ttft_ms', float('nan')):8.1f} ms  "
+                  f"({fig['wall_s']:.0f} s)", flush=True)
+    base = next((r for r in results if r["mode"] == "plain"), None)
+    print("\nmode       output tok/s   vs plain   mean TPOT ms   mean TTFT ms")
+    for r in results:
+        ratio = f"{r['output_throughput'] / base['output_throughput']:7.2f}x" if base else "-"
+        print(f"{r['mode']:10s} {r['output_throughput']:12.1f}   {ratio:>8s}   "
+              f"{r.get('mean_tpot_ms', float('nan')):12.2f}   "
+              f"{r.get('mean_ttft_ms', float('nan')):12.1f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
