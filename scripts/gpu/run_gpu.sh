@@ -37,39 +37,36 @@ if [ "${GPU_TESTS:-}" != "none" ]; then
   grep -E "^ORACLE|PASSED|FAILED|ERROR|passed|failed" "$OUT/$LOG.log" | tail -40
   tar czf "$OUT/$LOG-engine-logs.tgz" -C /tmp "afd-gpu-pt-$LOG" 2>/dev/null
 fi
-# BENCH_ARGS: arguments of benchmarks/decode.py on DeepSeek-V2-Lite shapes (dummy weights),
-# e.g. "--batches 16,64,256 --modes plain,afd --connector cuda_ipc --breakdown 16
-# --compilation-config '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'"; figures and the
-# breakdown to $OUT/bench-$LOG.{log,json}.
-if [ -n "${BENCH_ARGS:-}" ]; then
+# One benchmark script on the DeepSeek-V2-Lite shape (dummy weights): KIND (bench|serve)
+# names its files $OUT/KIND-$LOG.{log,json} and KIND-$LOG-logs.tgz (the engines' logs, not
+# the traces, for a failure's root cause); SCRIPT, TIMEOUT, then the script's arguments.
+shape_bench() {
+  local kind=$1 script=$2 limit=$3
+  shift 3
   python3 benchmarks/make_shape.py --preset deepseek-v2-lite --out /tmp/afd-dsv2-lite \
-    > "$OUT/bench-$LOG.log" 2>&1
-  eval "set -- $BENCH_ARGS"
-  rm -rf "/tmp/afd-bench-$LOG"
-  timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/decode.py --model /tmp/afd-dsv2-lite \
-    --load-format dummy --device cuda --dtype bfloat16 "$@" --json "$OUT/bench-$LOG.json" \
-    --log-dir "/tmp/afd-bench-$LOG" >> "$OUT/bench-$LOG.log" 2>&1
-  brc=$?
-  # The engines' logs (not the traces) of every run, for a failure's root cause.
-  (cd /tmp && find "afd-bench-$LOG" -name '*.log' -print0 | tar czf "$OUT/bench-$LOG-logs.tgz" --null -T -)
-  tail -40 "$OUT/bench-$LOG.log"
+    > "$OUT/$kind-$LOG.log" 2>&1
+  rm -rf "/tmp/afd-$kind-$LOG"
+  timeout "$limit" python3 "benchmarks/$script" --model /tmp/afd-dsv2-lite \
+    --load-format dummy --device cuda "$@" --json "$OUT/$kind-$LOG.json" \
+    --log-dir "/tmp/afd-$kind-$LOG" >> "$OUT/$kind-$LOG.log" 2>&1
+  local brc=$?
+  (cd /tmp && find "afd-$kind-$LOG" -name '*.log' -print0 | tar czf "$OUT/$kind-$LOG-logs.tgz" --null -T -)
+  tail -40 "$OUT/$kind-$LOG.log"
   [ "$rc" -eq 0 ] && rc=$brc
+}
+# BENCH_ARGS: arguments of benchmarks/decode.py, e.g. "--batches 16,64,256 --modes
+# plain,afd --connector cuda_ipc --breakdown 16 --compilation-config '{\"cudagraph_mode\":
+# \"FULL_DECODE_ONLY\"}'"; figures and the breakdown to $OUT/bench-$LOG.{log,json}.
+if [ -n "${BENCH_ARGS:-}" ]; then
+  eval "set -- $BENCH_ARGS"
+  shape_bench bench decode.py "${BENCH_TIMEOUT:-540}" --dtype bfloat16 "$@"
 fi
-# SERVE_ARGS: arguments of benchmarks/serve.py (OpenAI API, vllm bench serve) on the same
-# DeepSeek-V2-Lite shape, e.g. "--modes plain,afd,afd_dbo,plain_x2 --num-prompts 64
-# --input-len 64 --output-len 256 --connector cuda_ipc --serve-args '--dtype bfloat16
-# --max-num-seqs 64 --max-num-batched-tokens 64'"; figures to $OUT/serve-$LOG.{log,json}.
+# SERVE_ARGS: arguments of benchmarks/serve.py (OpenAI API, vllm bench serve), e.g.
+# "--modes plain,afd,afd_dbo,plain_x2 --num-prompts 64 --input-len 64 --output-len 256
+# --connector cuda_ipc --serve-args '--dtype bfloat16 --max-num-seqs 64
+# --max-num-batched-tokens 64'"; figures to $OUT/serve-$LOG.{log,json}.
 if [ -n "${SERVE_ARGS:-}" ]; then
-  python3 benchmarks/make_shape.py --preset deepseek-v2-lite --out /tmp/afd-dsv2-lite \
-    > "$OUT/serve-$LOG.log" 2>&1
   eval "set -- $SERVE_ARGS"
-  rm -rf "/tmp/afd-serve-$LOG"
-  timeout "${SERVE_TIMEOUT:-540}" python3 benchmarks/serve.py --model /tmp/afd-dsv2-lite \
-    --load-format dummy --device cuda "$@" --json "$OUT/serve-$LOG.json" \
-    --log-dir "/tmp/afd-serve-$LOG" >> "$OUT/serve-$LOG.log" 2>&1
-  src=$?
-  (cd /tmp && find "afd-serve-$LOG" -name '*.log' -print0 | tar czf "$OUT/serve-$LOG-logs.tgz" --null -T -)
-  tail -30 "$OUT/serve-$LOG.log"
-  [ "$rc" -eq 0 ] && rc=$src
+  shape_bench serve serve.py "${SERVE_TIMEOUT:-540}" "$@"
 fi
 exit $rc
