@@ -61,7 +61,7 @@ def _env(model: Path, gpu: int | str, runner: str | None = None) -> dict:
     return env
 
 
-def _proc(args, model, log, gpu, procs, runner=None):
+def _proc(args, model, log, gpu, procs, runner=None, gpu_args=GPU_ARGS):
     p = oracle.Proc.__new__(oracle.Proc)
     p.log = log
     p.fh = open(log, "w")
@@ -69,7 +69,7 @@ def _proc(args, model, log, gpu, procs, runner=None):
     import sys
 
     p.p = subprocess.Popen(
-        [sys.executable, str(oracle.PROC), *args, "--model", str(model), *GPU_ARGS],
+        [sys.executable, str(oracle.PROC), *args, "--model", str(model), *gpu_args],
         stdout=p.fh, stderr=subprocess.STDOUT, env=_env(model, gpu, runner),
         start_new_session=True,
     )
@@ -229,3 +229,43 @@ def test_gpu_oracle_dbo(name, mode, tmp_path, procs):
         assert "captured a CUDA graph for step ('ubatched'" in _ffn_log(tmp_path)
     print(f"ORACLE {name} cuda_ipc {mode} DBO runner=v1: tokens identical, "
           f"max |logprob diff| {worst:.3g}, {counts}")
+
+
+# M:N on one GPU (issue 7's topologies, where only one GPU is lent): every process on GPU 0
+# (correctness only - the processes time-slice the GPU), cuda_ipc, FULL decode graphs.
+# Each attention process is an engine of its own; with 3 attention engines and the FFN
+# rank on one GPU each takes a smaller share of its memory.
+MN_GPU_ARGS = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.12", "--max-num-seqs", "4"]
+
+
+@pytest.mark.parametrize("num_attention", [2, 3])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2_mla"])
+def test_gpu_oracle_m_attention_ranks_one_ffn_rank(name, num_attention, tmp_path, procs):
+    """nA1F: each attention rank's output equals plain vLLM's (the FFN rank keeps one
+    inbox row per attention rank and batches the ranks that are ready)."""
+    mode = "graphs"
+    plain = _plain(name, mode, "v1", tmp_path / "plain", procs)
+    model = MODELS_DIR / name
+    prompts = oracle.write_prompts(tmp_path)
+    port = oracle.free_port(3)
+    topo = dict(connector="cuda_ipc", timeout_s=30, num_attention_ranks=num_attention,
+                num_ffn_ranks=1)
+    ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **topo)], model,
+                tmp_path / "ffn.log", 0, procs, gpu_args=MN_GPU_ARGS)
+    attns = []
+    for r in range(num_attention):
+        out = tmp_path / f"afd_{r}.json"
+        attns.append((_proc(["attention", "--afd", oracle.afd_json("attention", port, rank=r,
+                                                                    **topo),
+                             "--prompts", str(prompts), "--out", str(out), *_mode_args(mode)],
+                            model, tmp_path / f"attn_{r}.log", 0, procs, "v1",
+                            gpu_args=MN_GPU_ARGS), out))
+    worst = 0.0
+    for attn, out in attns:
+        assert attn.wait(START) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+        worst = max(worst, _compare(plain, json.loads(out.read_text())))
+        assert "Capturing CUDA graphs" in attn.log.read_text(errors="replace")
+    # Steps served, and how many carried more than one attention rank's tokens.
+    counts = oracle.ffn_stopped_counts(ffn)
+    print(f"ORACLE {name} cuda_ipc {mode} {num_attention}A1F on one GPU: tokens identical on "
+          f"every attention rank, max |logprob diff| {worst:.3g}, {counts}")
