@@ -7,6 +7,7 @@ way round), with ``timeout_s`` 5 so that the failure test below is quick. Checke
   greedy tokens (and top-5 logprobs within 1e-4) as plain vLLM in a process of its own
   (``afd_proc.py plain``);
 * the FFN server answers /health and refuses generation with a 4xx that mentions AFD;
+* benchmarks/serve.py's `vllm bench serve` client gets every request and token through;
 * SIGKILL of the FFN server while a long completion streams: that request ends with an
   error naming the lost AFD peer within timeout_s + 10 s, later requests fail fast (with the
   same message while the server still answers), and after the stop no process of either
@@ -142,6 +143,25 @@ def test_concurrent_completions_match_plain(pair, reference):
         assert got["text"] == ref["text"], prompt
         diff = su.max_logprob_diff(_top(got), ref["logprobs"])
         assert diff <= LOGPROB_TOL, f"{prompt!r}: max |logprob diff| {diff:.3g}"
+
+
+def test_serving_benchmark_client_against_the_pair(pair, model_dir, tmp_path):
+    """benchmarks/serve.py's client half (`vllm bench serve`, warm-ups, the result) against
+    this AFD pair's attention server: every request completes with every token."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import serve as bench
+
+    attn, ffn = pair
+    a = bench.parse_args(["--model", str(model_dir), "--num-prompts", "4",
+                          "--warmups", "1", "--input-len", "8", "--output-len", "6"])
+    (r,) = bench.run_clients(a, "afd", [attn], tmp_path)
+    fig = bench.combine([r])
+    assert fig["completed"] == 4
+    assert fig["total_output_tokens"] == 4 * 6  # ignore_eos: every token asked for
+    assert fig["output_throughput"] == pytest.approx(fig["total_output_tokens"]
+                                                     / fig["duration"], rel=1e-3)
+    assert fig["mean_tpot_ms"] > 0
+    assert attn.alive() and ffn.alive()
 
 
 def test_killed_ffn_fails_requests_fast(pair):
