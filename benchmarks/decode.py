@@ -37,7 +37,7 @@ from pathlib import Path
 
 # Ports below the ephemeral range (scripts/serve_util.py says why).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from serve_util import free_port  # noqa: E402
+from serve_util import cuda_visible_devices, free_port  # noqa: E402
 
 ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 BREAKDOWN_DELAY = 3  # profiled run: steps before the profiler starts (prefill included)
@@ -214,13 +214,8 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
                 env[CPUS_ENV] = a.attention_cpus
             if a.device == "cuda":
                 att, ffn_gpu = a.attention_gpu, a.ffn_gpu
-                if a.connector in ("cuda_ipc", "ipc") and att != ffn_gpu:
-                    # Each side must see the other's GPU; its own comes first (device 0).
-                    ffn_env["CUDA_VISIBLE_DEVICES"] = f"{ffn_gpu},{att}"
-                    env["CUDA_VISIBLE_DEVICES"] = f"{att},{ffn_gpu}"
-                else:
-                    ffn_env["CUDA_VISIBLE_DEVICES"] = ffn_gpu
-                    env["CUDA_VISIBLE_DEVICES"] = att
+                ffn_env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(ffn_gpu, att, a.connector)
+                env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(att, ffn_gpu, a.connector)
             ffn_args = [*base_args, "--afd", json.dumps({"role": "ffn", **cfg})]
             if want_bd:
                 traces = Path(a.trace_dir) if a.trace_dir else work

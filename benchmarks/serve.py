@@ -83,10 +83,7 @@ def server_args(a) -> list[str]:
 def gpu_env(a, own: str, peer: str | None) -> dict[str, str]:
     if a.device != "cuda":
         return {}
-    if peer is not None and peer != own and a.connector == "cuda_ipc":
-        # Each side must see the other's GPU; its own comes first (device 0).
-        return {"CUDA_VISIBLE_DEVICES": f"{own},{peer}"}
-    return {"CUDA_VISIBLE_DEVICES": own}
+    return {"CUDA_VISIBLE_DEVICES": su.cuda_visible_devices(own, peer, a.connector)}
 
 
 def start(a, name: str, work: Path, *, afd: dict | None = None, env: dict | None = None,

@@ -164,6 +164,15 @@ def afd_config(role: str, port: int, *, timeout_s: float = 120.0, host: str = "1
     }
 
 
+def cuda_visible_devices(own: str, peer: str | None = None, connector: str = "") -> str:
+    """CUDA_VISIBLE_DEVICES of a process on GPU ``own``: that GPU as device 0, and for an
+    AFD role with the cuda_ipc connector also its peer's GPU (each side maps the other's
+    memory). ``peer`` None: a plain engine."""
+    if peer is not None and peer != own and connector in ("cuda_ipc", "ipc"):
+        return f"{own},{peer}"
+    return own
+
+
 def vllm_python(python: str | None = None) -> str:
     """The interpreter that runs ``vllm``: ``python`` or this one."""
     return python or sys.executable

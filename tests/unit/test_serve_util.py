@@ -60,3 +60,13 @@ def test_a_long_session_does_not_run_out_of_ports(monkeypatch):
     lo, hi = su.LISTEN_WINDOW_START, su.ephemeral_port_range()[0]
     got = [su.free_ports(1)[0] for _ in range(hi - lo)]  # as many as the window holds
     assert all(lo <= p < hi for p in got)
+
+
+def test_cuda_visible_devices_of_afd_roles_and_plain_engines():
+    # cuda_ipc across two GPUs: each side sees its own GPU first, then its peer's.
+    assert su.cuda_visible_devices("0", "1", "cuda_ipc") == "0,1"
+    assert su.cuda_visible_devices("1", "0", "ipc") == "1,0"
+    # Same GPU, another connector, or a plain engine: only its own GPU.
+    assert su.cuda_visible_devices("0", "0", "cuda_ipc") == "0"
+    assert su.cuda_visible_devices("1", "0", "nccl") == "1"
+    assert su.cuda_visible_devices("1") == "1"
