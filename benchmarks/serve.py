@@ -194,8 +194,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=8, help="requests per server")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight per server (default: all of them)")
-    p.add_argument("--warmups", type=int, default=4,
-                   help="warm-up requests per server before the measured ones")
+    p.add_argument("--warmups", type=int, default=None,
+                   help="warm-up requests per server before the measured ones, sent at once "
+                   "(default: as many as --num-prompts, so that the warm-up meets the run's "
+                   "batch sizes: kernels compiled on first use, e.g. Triton's fused MoE per "
+                   "batch size, are compiled before the measurement)")
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--serve-args", help="more `vllm serve` flags for every server, one "
@@ -224,6 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts and --input-len must be at least 1, --output-len at least 2")
     if not Path(a.model).is_dir():
         p.error(f"--model {a.model}: not a directory")
+    if a.warmups is None:
+        a.warmups = a.num_prompts
+    elif a.warmups < 0:
+        p.error("--warmups must be at least 0")
     a.modes = modes
     return a
 
@@ -248,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             fig.update(mode=mode, wall_s=time.perf_counter() - t0)
             results.append(fig)
+            write_json(a, results)  # each mode as it ends: a run cut short keeps them
             print(f"  {mode:9s} output {fig['output_throughput']:9.1f} tok/s  "
                   f"TPOT mean {fig.get('mean_tpot_ms', float('nan')):7.2f} ms  "
                   f"TTFT mean {fig.get('mean_ttft_ms', float('nan')):8.1f} ms  "
@@ -259,9 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['mode']:10s} {r['output_throughput']:12.1f}   {ratio:>8s}   "
               f"{r.get('mean_tpot_ms', float('nan')):12.2f}   "
               f"{r.get('mean_ttft_ms', float('nan')):12.1f}")
+    return 0
+
+
+def write_json(a, results: list[dict]) -> None:
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

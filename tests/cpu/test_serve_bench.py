@@ -28,6 +28,7 @@ def run(args: list[str], env=None, timeout=600) -> subprocess.CompletedProcess:
         (["--modes", "plain_x2", "--device", "cuda", "--ffn-gpu", "0"],
          r"plain_x2 needs two GPUs"),
         (["--output-len", "1"], r"--output-len at least 2"),
+        (["--warmups", "-1"], r"--warmups must be at least 0"),
     ],
 )
 def test_bad_arguments_are_refused(args, message, tmp_path):
@@ -39,3 +40,17 @@ def test_bad_arguments_are_refused(args, message, tmp_path):
 def test_a_missing_model_directory_is_refused(tmp_path):
     p = run(["--model", str(tmp_path / "nope")], timeout=60)
     assert p.returncode == 2 and "not a directory" in p.stderr
+
+
+def test_warmups_default_to_the_measured_request_count(tmp_path):
+    """The warm-up sends as many requests as the measured run (at once), so it meets the
+    run's batch sizes; an explicit count is kept."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import serve as bench
+
+    base = ["--model", str(tmp_path), "--num-prompts", "12"]
+    assert bench.parse_args(base).warmups == 12
+    assert bench.parse_args([*base, "--warmups", "0"]).warmups == 0
+    cmd = bench.bench_command(bench.parse_args(base), "http://x", tmp_path, "r")
+    assert cmd[cmd.index("--num-warmups") + 1] == "12"
+    assert cmd[cmd.index("--max-concurrency") + 1] == "12"
