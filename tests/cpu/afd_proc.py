@@ -33,6 +33,8 @@ def engine_kwargs(args) -> dict:
     )
     if args.gpu_memory_utilization:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.kv_cache_memory_bytes:
+        kw["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if args.afd:
         kw["afd_config"] = json.loads(args.afd)
     if args.compilation_config:
@@ -108,6 +110,8 @@ def main() -> int:
                    help="decode and prefill token threshold for micro-batches with --enable-dbo")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="fixed KV cache size (engines sharing a GPU): no profile-based sizing")
     args = p.parse_args()
     if args.mode == "ffn":
         return serve_ffn(args)
