@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {a.model} ({a.load_format}), device {a.device}, {a.num_prompts} requests "
           f"of {a.input_len} + {a.output_len} tokens per server, connector {a.connector}; "
           f"serve args: {a.serve_args or '-'}", flush=True)
+    note = su.shared_gpu_note(a.device, a.modes, a.attention_gpu, a.ffn_gpu)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="afd-serve-bench-") as tmp:
         work = Path(a.log_dir or tmp)

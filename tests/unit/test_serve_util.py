@@ -70,3 +70,11 @@ def test_cuda_visible_devices_of_afd_roles_and_plain_engines():
     assert su.cuda_visible_devices("0", "0", "cuda_ipc") == "0"
     assert su.cuda_visible_devices("1", "0", "nccl") == "1"
     assert su.cuda_visible_devices("1") == "1"
+
+
+def test_shared_gpu_note_only_for_afd_modes_with_both_roles_on_one_gpu():
+    note = su.shared_gpu_note("cuda", ["plain", "afd_dbo"], "0", "0")
+    assert note and "both AFD roles on GPU 0" in note and "--ffn-gpu" in note
+    assert su.shared_gpu_note("cuda", ["plain", "afd"], "0", "1") is None  # own GPUs
+    assert su.shared_gpu_note("cuda", ["plain"], "0", "0") is None  # no AFD run
+    assert su.shared_gpu_note("cpu", ["afd"], "0", "0") is None  # CPU: cores, not GPUs
