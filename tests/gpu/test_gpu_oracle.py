@@ -39,6 +39,8 @@ oracle = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(oracle)
 import oracle_lib  # noqa: E402  (tests/cpu, on sys.path above)
 
+import serve_util as su  # noqa: E402  (scripts/, on sys.path since the oracle's import)
+
 BF16_TOL = 0.05
 MODELS_DIR = Path(os.environ.get("AFD_MODELS_DIR", HERE.parents[1] / "build" / "models"))
 GPU_ARGS = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "4"]
@@ -142,12 +144,11 @@ def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None,
     kw = dict(connector=connector, timeout_s=30, **(extra or {}))
     if num_attention > 1:
         kw.update(num_attention_ranks=num_attention, num_ffn_ranks=1)
-    att_gpu = 0
-    if connector == "cuda_ipc" and ffn_gpu != 0:
-        # Each side must see the other's GPU, its own as device 0.
-        ffn_gpu, att_gpu = f"{ffn_gpu},0", f"0,{ffn_gpu}"
+    # The attention ranks on GPU 0; with cuda_ipc each side also sees the other's GPU.
+    att_gpu = su.cuda_visible_devices("0", str(ffn_gpu), connector)
+    ffn_vis = su.cuda_visible_devices(str(ffn_gpu), "0", connector)
     ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **kw)],
-                model, tmp_path / "ffn.log", ffn_gpu, procs, gpu_args=gpu_args)
+                model, tmp_path / "ffn.log", ffn_vis, procs, gpu_args=gpu_args)
     attns = []
     for r in range(num_attention):
         rank = {"rank": r} if num_attention > 1 else {}
