@@ -31,6 +31,10 @@ def engine_kwargs(args) -> dict:
         seed=0,
         enable_prefix_caching=False,
     )
+    if args.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.enable_expert_parallel:
+        kw["enable_expert_parallel"] = True
     if args.gpu_memory_utilization:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.kv_cache_memory_bytes:
@@ -81,6 +85,8 @@ def serve_ffn(args) -> int:
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     llm = LLM(**engine_kwargs(args))  # keep a reference: dropping it shuts the engine down
+    if args.tensor_parallel_size > 1:
+        return serve_ffn_group(args, llm, stop)
     runner = ffn_runner.ACTIVE[-1]
     print("AFD-FFN-READY", flush=True)
     while not stop.wait(0.2):
@@ -91,6 +97,30 @@ def serve_ffn(args) -> int:
     del llm
     print(f"AFD-FFN-STOPPED steps={runner.steps_served} batched={runner.batched_steps} "
           f"ubatched={runner.ubatched_steps}", flush=True)
+    os._exit(0)
+
+
+def _group_stats(worker) -> dict:
+    r = worker.model_runner
+    return {"rank": r.rank, "steps": r.steps_served, "group_steps": getattr(r, "group_steps", 0),
+            "error": r.error}
+
+
+def serve_ffn_group(args, llm, stop: threading.Event) -> int:
+    """An FFN group: the FFN ranks are the engine's tensor-parallel worker
+    processes; a failed serve loop ends its worker and the executor then marks
+    itself failed."""
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    ranks = sorted(s["rank"] for s in llm.collective_rpc(_group_stats))
+    print(f"AFD-FFN-GROUP ranks={ranks}", flush=True)
+    print("AFD-FFN-READY", flush=True)
+    while not stop.wait(0.2):
+        if executor.is_failed:
+            print("AFD-FFN-FAILED: a worker of the FFN group died", file=sys.stderr, flush=True)
+            os._exit(3)
+    for s in llm.collective_rpc(_group_stats, timeout=30):
+        print(f"AFD-FFN-STOPPED rank={s['rank']} steps={s['steps']} "
+              f"group_steps={s['group_steps']} error={s['error']}", flush=True)
     os._exit(0)
 
 
@@ -109,10 +139,18 @@ def main() -> int:
     p.add_argument("--dbo-threshold", type=int, default=2,
                    help="decode and prefill token threshold for micro-batches with --enable-dbo")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ffn: an FFN group of this many ranks (one per worker)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="ffn group: split the experts expert-parallel (CUDA)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="fixed KV cache size (engines sharing a GPU): no profile-based sizing")
     args = p.parse_args()
+    if args.tensor_parallel_size > 1:
+        # vLLM's automatic thread binding gives each CPU worker a NUMA node of its
+        # own and refuses otherwise (one node here): let the workers share cores.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if args.mode == "ffn":
         return serve_ffn(args)
     return generate(args)

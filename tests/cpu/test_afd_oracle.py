@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -148,14 +149,18 @@ def assert_matches(plain: dict, afd: dict) -> float:
 
 def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
             num_attention=1, extra: dict | None = None, attn_model: Path | None = None,
-            attn_args: tuple[str, ...] = ()):
+            attn_args: tuple[str, ...] = (), ffn_group: int = 1):
+    """ffn_group > 1: one FFN server of that many tensor-parallel workers, FFN
+    ranks 0..ffn_group-1 (an FFN group)."""
     extra = dict(extra or {})
-    port = free_port()
+    port = free_port(ffn_group)
     prompts = write_prompts(tmp_path)
-    topo = {"num_attention_ranks": num_attention, "num_ffn_ranks": 1, **extra}
+    topo = {"num_attention_ranks": num_attention, "num_ffn_ranks": ffn_group, **extra}
+    group_args = ["--tensor-parallel-size", str(ffn_group)] if ffn_group > 1 else []
 
     def start_ffn():
-        p = Proc(["ffn", "--afd", afd_json("ffn", port, **topo)], model, tmp_path / "ffn.log")
+        p = Proc(["ffn", "--afd", afd_json("ffn", port, **topo), *group_args], model,
+                 tmp_path / "ffn.log")
         procs.append(p)
         return p
 
@@ -219,6 +224,59 @@ def test_oracle_2a1f(models_dir, tmp_path, procs):
     stopped = [ln for ln in ffn.text().splitlines() if ln.startswith("AFD-FFN-STOPPED")]
     assert stopped, ffn.tail()
     print(stopped[0])  # steps served, and how many of them batched both attention ranks
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])
+def test_oracle_2a2f_ffn_group(name, models_dir, tmp_path, procs):
+    """2A2F: one FFN server with tensor_parallel_size 2 runs FFN ranks 0 and 1 as
+    its two workers, each holding half of every expert (the CPU's MoE kernels do
+    not take vLLM's expert map, so the group splits experts tensor-parallel;
+    --enable-expert-parallel on CUDA). Attention rank r talks to FFN rank r only,
+    and every layer runs on the tokens of both. Each attention rank's output
+    equals plain vLLM's, which holds only if the two ranks' shares are disjoint
+    and are summed once (a rank holding everything, or a missing all-reduce,
+    would double or halve every FFN output)."""
+    model = models_dir / name
+    plain = plain_reference(model, tmp_path)
+    ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, ffn_group=2)
+    for attn, out in attns:
+        assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+        assert_matches(plain, json.loads(out.read_text()))
+    text = ffn.text()
+    for r, peers in ((0, [0]), (1, [1])):
+        assert f"AFD FFN rank {r} of an FFN group of 2 (experts split tensor-parallel): " \
+               f"serving attention rank(s) {peers}" in text, ffn.tail()
+    assert "AFD-FFN-GROUP ranks=[0, 1]" in text, ffn.tail()
+    # SIGTERM to the server process only: it asks its workers for their counts.
+    ffn.p.send_signal(signal.SIGTERM)
+    ffn.p.wait(60)
+    stopped = {int(m.group(1)): (int(m.group(2)), int(m.group(3)))
+               for m in re.finditer(r"AFD-FFN-STOPPED rank=(\d) steps=(\d+) group_steps=(\d+)",
+                                    ffn.text())}
+    assert sorted(stopped) == [0, 1], ffn.tail()
+    # Both ranks served steps of their own attention rank, and every group step
+    # ran on both (a rank with no step of its own takes part with no rows).
+    assert all(steps > 0 for steps, _ in stopped.values()), stopped
+    assert stopped[0][1] == stopped[1][1] >= max(s for s, _ in stopped.values()), stopped
+    print(f"{name} 2A2F group: tokens identical on both attention ranks, {stopped}")
+
+
+def test_ffn_group_refuses_micro_batched_steps(models_dir, tmp_path, procs):
+    """An FFN group serves steps without micro-batches in this release: DBO
+    attention ranks end with the group's error, and the FFN server ends too
+    (every member stops, none is left waiting in the group's collectives)."""
+    model = models_dir / "qwen3_moe"
+    ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, ffn_group=2,
+                         attn_args=("--enable-dbo", "--dbo-threshold", "2"))
+    t0 = time.monotonic()
+    assert ffn.wait(START_TIMEOUT) == 3, ffn.tail()
+    for attn, _ in attns:
+        assert attn.wait(120) != 0, attn.tail()
+    assert time.monotonic() - t0 < START_TIMEOUT
+    text = ffn.text()
+    assert "an FFN group (tensor_parallel_size > 1) serves steps without micro-batches" \
+           in text and "drop --enable-dbo from the attention servers" in text, ffn.tail()
+    assert "AFD-FFN-FAILED: a worker of the FFN group died" in text, ffn.tail()
 
 
 def ffn_stopped_counts(ffn) -> dict[str, int]:

@@ -277,3 +277,36 @@ def test_gpu_oracle_m_attention_ranks_one_ffn_rank(name, num_attention, tmp_path
     counts = oracle.ffn_stopped_counts(ffns[0])
     print(f"ORACLE {name} cuda_ipc {mode} {num_attention}A1F on one GPU: tokens identical on "
           f"every attention rank, max |logprob diff| {worst:.3g}, {counts}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an FFN group needs two GPUs")
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2_mla"])
+def test_gpu_oracle_2a2f_ffn_group_expert_parallel(name, tmp_path, procs):
+    """2A2F: one FFN server with --tensor-parallel-size 2 --enable-expert-parallel on
+    GPUs 0 and 1 (FFN ranks 0 and 1, half of the experts each: vLLM's CUDA MoE kernels
+    take the expert map), two attention ranks on GPU 0, connector gloo (an FFN group's
+    connector in this release; the attention role runs eager). Each attention rank
+    equals plain vLLM."""
+    model = MODELS_DIR / name
+    plain = _plain(name, "eager", "v1", tmp_path / "plain", procs)
+    prompts = oracle.write_prompts(tmp_path)
+    port = oracle.free_port(3)
+    kw = dict(connector="gloo", timeout_s=60, num_attention_ranks=2, num_ffn_ranks=2)
+    ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **kw),
+                 "--tensor-parallel-size", "2", "--enable-expert-parallel"],
+                model, tmp_path / "ffn.log", "0,1", procs, gpu_args=MN_GPU_ARGS)
+    attns = []
+    for r in range(2):
+        out = tmp_path / f"afd_{r}.json"
+        attn = _proc(["attention", "--afd", oracle.afd_json("attention", port, rank=r, **kw),
+                      "--prompts", str(prompts), "--out", str(out)],
+                     model, tmp_path / f"attn_{r}.log", 0, procs, "v1", gpu_args=MN_GPU_ARGS)
+        attns.append((attn, out))
+    for attn, _ in attns:
+        assert attn.wait(START) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    worst = max(_compare(plain, json.loads(out.read_text())) for _, out in attns)
+    text = _ffn_log(tmp_path)
+    for r in range(2):
+        assert f"AFD FFN rank {r} of an FFN group of 2 (expert parallel)" in text, ffn.tail()
+    print(f"ORACLE {name} gloo eager 2A2F FFN group (EP 2, GPUs 0 and 1): tokens identical on "
+          f"both attention ranks, max |logprob diff| {worst:.3g}")

@@ -327,13 +327,15 @@ def test_parse_afd_config_arg_in_argparse(capsys):
 
 
 # ----------------------------------------------------- verify_with_vllm_config
-def _vllm(tp=1, pp=1, spec=None, parallel=True):
+def _vllm(tp=1, pp=1, spec=None, parallel=True, dp=1, ep=False, device_type="cpu"):
     return SimpleNamespace(
         parallel_config=(
-            SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+            SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                            data_parallel_size=dp, enable_expert_parallel=ep)
             if parallel else None
         ),
         speculative_config=spec,
+        device_config=SimpleNamespace(device_type=device_type),
     )
 
 
@@ -346,15 +348,56 @@ def test_verify_ok():
 @pytest.mark.parametrize(
     "vllm_config, message",
     [
-        (_vllm(tp=2), r"tensor_parallel_size=2, pipeline_parallel_size=1"),
-        (_vllm(pp=2), r"tensor_parallel_size=1, pipeline_parallel_size=2"),
-        (_vllm(tp=4, pp=2), r"tensor_parallel_size=4, pipeline_parallel_size=2"),
+        (_vllm(tp=2), r"tensor parallelism on the attention role is not supported yet "
+                      r"\(got tensor_parallel_size=2\)"),
+        (_vllm(pp=2), r"pipeline parallelism inside a role is not supported "
+                      r"\(got pipeline_parallel_size=2\)"),
+        (_vllm(tp=4, pp=2), r"pipeline_parallel_size=2"),
         (_vllm(spec=SimpleNamespace(method="eagle")), r"speculative decoding is not supported"),
     ],
 )
 def test_verify_refuses(vllm_config, message):
     with pytest.raises(AFDConfigError, match=message):
         cfg().verify_with_vllm_config(vllm_config)
+
+
+# ------------------------------------------------------------------ FFN group
+def _group(**kw):
+    return cfg(**{"role": "ffn", "num_attention_ranks": 2, "num_ffn_ranks": 2, **kw})
+
+
+def test_ffn_group_ok():
+    """One FFN server of num_ffn_ranks tensor-parallel workers (FFN ranks 0..N-1)."""
+    _group().verify_with_vllm_config(_vllm(tp=2))
+    cfg(role="ffn", num_attention_ranks=4, num_ffn_ranks=2).verify_with_vllm_config(_vllm(tp=2))
+    # Expert parallel within the group where vLLM's MoE kernels take the expert map.
+    _group().verify_with_vllm_config(_vllm(tp=2, ep=True, device_type="cuda"))
+    # N FFN servers of one worker each (replicas, each with a rank) stay as they were.
+    _group(rank=1).verify_with_vllm_config(_vllm())
+
+
+@pytest.mark.parametrize(
+    "config, vllm_config, message",
+    [
+        (_group(num_ffn_ranks=1), _vllm(tp=2),
+         r"tensor_parallel_size=2 runs that many FFN ranks as one group, so num_ffn_ranks "
+         r"must be 2 \(got 1\)"),
+        (_group(num_attention_ranks=4), _vllm(tp=4),
+         r"num_ffn_ranks must be 4 \(got 2\)"),
+        (_group(), _vllm(tp=2, dp=2), r"FFN group .* needs data_parallel_size 1"),
+        (_group(rank=0), _vllm(tp=2), r"drop 'rank' from the --afd-config of an FFN group"),
+        (_group(), _vllm(tp=2, ep=True),
+         r"--enable-expert-parallel is not supported on the CPU: vLLM's CPU MoE kernels "
+         r"ignore the expert map"),
+        (_group(connector="cuda_ipc"), _vllm(tp=2, device_type="cuda"),
+         r"an FFN group \(tensor_parallel_size 2\) runs with connector 'gloo'"),
+        (cfg(role="attention", num_attention_ranks=2, num_ffn_ranks=2), _vllm(tp=2),
+         r"tensor parallelism on the attention role"),
+    ],
+)
+def test_ffn_group_refusals(config, vllm_config, message):
+    with pytest.raises(AFDConfigError, match=message):
+        config.verify_with_vllm_config(vllm_config)
 
 
 # ---------------------------------------------------------------- rank layout

@@ -96,6 +96,9 @@ class FFNModelRunner:
         self.ubatched_steps = 0  # steps served as micro-batches (DBO)
         self.gates: dict[int, _GivenRouterLogits] = {}
         self.rank = 0
+        self.group = None  # vLLM's tensor-parallel group of an FFN group
+        self.group_steps = 0
+        self._group_last_step = 0.0
         self.profiler = None  # TorchProfilerWrapper while an attention rank profiles
         self._sync_timing = False
         self._profile_lock = threading.Lock()
@@ -164,6 +167,15 @@ class FFNModelRunner:
 
         cfg = self.afd_config
         rank = cfg.resolved_rank(self.vllm_config.parallel_config.data_parallel_rank)
+        # An FFN group: one FFN server of num_ffn_ranks tensor-parallel workers
+        # (the config allows tensor parallelism on the FFN role only so); worker
+        # i is FFN rank i and every layer runs on the tokens of all of them.
+        self.group = None
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            self.group = get_tp_group()
+            rank = self.group.rank_in_group
         ctx = ConnectorContext(
             config=cfg,
             rank=rank,
@@ -181,6 +193,7 @@ class FFNModelRunner:
             self.device.type == "cuda"
             and self.connector.graph_capable
             and bool(extra.get("ffn_cuda_graphs", True))
+            and self.group is None  # a group's steps run eagerly in this release
         )
         self.graph_max_tokens = int(extra.get("ffn_cuda_graph_max_tokens", 512))
         self.graph_max_count = int(extra.get("ffn_cuda_graph_max_count", 64))
@@ -191,6 +204,16 @@ class FFNModelRunner:
         self.graph_replays = 0
         self.connector.start()
         metrics.STATS.start("ffn", rank, self.connector.peer_states)
+        if self.group is not None:
+            logger.info(
+                "AFD FFN rank %d of an FFN group of %d (%s): serving attention rank(s) %s; "
+                "every layer runs on the tokens of the whole group",
+                rank, self.group.world_size,
+                "expert parallel"
+                if self.vllm_config.parallel_config.enable_expert_parallel
+                else "experts split tensor-parallel",
+                cfg.attention_ranks_of(rank),
+            )  # fmt: skip
         # With nccl, compute time is host-side (kernels run asynchronously).
         self._sync_timing = self.device.type == "cuda" and cfg.connector in ("gloo", "tcp")
         self._thread = threading.Thread(target=self._serve, name="afd-ffn-serve", daemon=True)
@@ -211,6 +234,9 @@ class FFNModelRunner:
                             self.profiler = None
                             logger.warning("AFD FFN role: profiler request failed: %s", e)
                     t0 = time.perf_counter()
+                    if self.group is not None:
+                        self._serve_group_once(t0)
+                        continue
                     with record_function("afd.wait_step"):
                         ready = self.connector.wait_step(timeout=0.2)
                     if ready:
@@ -229,6 +255,109 @@ class FFNModelRunner:
             failure.record("ffn", self.rank, str(e))
             for cb in self.on_fatal:
                 cb(self.error)
+
+    # -- FFN group (tensor_parallel_size = num_ffn_ranks) --------------------
+    # How long a group member waits for its own attention ranks before it
+    # tells the others it has nothing: short while steps flow (it bounds the
+    # delay a step of another member waits for this one), longer when idle.
+    GROUP_POLL_ACTIVE_S = 0.0005
+    GROUP_POLL_IDLE_S = 0.02
+    GROUP_ACTIVE_S = 1.0
+
+    def _serve_group_once(self, t0: float) -> None:
+        """One round of an FFN group: every member polls its own attention
+        ranks, the members agree on the step (an all-gather of their token
+        counts over the group's CPU channel), and if any has tokens they all
+        run it, each contributing its rows (possibly none)."""
+        from vllm.afd.protocol import AFDPeerError, ubatch_of
+
+        active = time.monotonic() - self._group_last_step < self.GROUP_ACTIVE_S
+        with record_function("afd.wait_step"):
+            ready = self.connector.wait_step(
+                timeout=self.GROUP_POLL_ACTIVE_S if active else self.GROUP_POLL_IDLE_S
+            )
+        ubatched = sum(1 for p in ready if ubatch_of(p.control.flags)[1])
+        mine = torch.tensor(
+            [sum(p.control.num_tokens for p in ready), ubatched], dtype=torch.int64
+        )
+        rows = [torch.empty_like(mine) for _ in range(self.group.world_size)]
+        torch.distributed.all_gather(rows, mine, group=self.group.cpu_group)
+        counts = [int(r[0]) for r in rows]
+        if any(int(r[1]) for r in rows):
+            who = [f for f, r in enumerate(rows) if int(r[1])]
+            raise AFDPeerError(
+                f"AFD FFN rank {self.rank}: the attention rank(s) of FFN rank(s) {who} sent "
+                "micro-batched (DBO) steps; an FFN group (tensor_parallel_size > 1) serves "
+                "steps without micro-batches in this release: drop --enable-dbo from the "
+                "attention servers"
+            )
+        if not any(counts):
+            metrics.STATS.inc("ffn_idle_seconds", time.perf_counter() - t0)
+            return
+        self._group_last_step = time.monotonic()
+        with record_function("afd.ffn_step"):
+            transfer, compute = self._group_step_body(ready, counts)
+        self.group_steps += 1
+        if ready:
+            self._account(ready, compute, transfer)
+        if self.group_steps == 1:
+            logger.info("AFD FFN rank %d: first group step, tokens per member %s",
+                        self.rank, counts)  # fmt: skip
+
+    def _group_step_body(self, ready, counts: list[int]):
+        """Every layer of one group step: receive this member's rows, gather
+        the rows of every member (padded to the largest count), run the block
+        on all of them (its own all-reduce combines the members' shares of the
+        experts), send this member's rows back."""
+        from vllm.forward_context import set_forward_context
+
+        clock = time.perf_counter
+        me, world = self.rank, self.group.world_size
+        width, total = max(counts), sum(counts)
+        start = sum(counts[:me])
+        offsets = [0]
+        for p in ready:
+            offsets.append(offsets[-1] + p.control.num_tokens)
+        H = self.hidden_size
+        x_mine = torch.zeros((width, H), dtype=self.dtype, device=self.device)
+        transfer = compute = 0.0
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            full = self.group.all_gather(t, dim=0)  # (world * width, ...)
+            return torch.cat([full[r * width : r * width + counts[r]] for r in range(world)])
+
+        with set_forward_context(None, self.vllm_config, num_tokens=total):
+            for layer_idx, module in self.modules.items():
+                t0 = clock()
+                with record_function("afd.recv"):
+                    for i, peer in enumerate(ready):
+                        self.connector.recv(peer, x_mine[offsets[i] : offsets[i + 1]])
+                    router = self.gates.get(layer_idx)
+                    lg_mine = None
+                    if router is not None:
+                        lg_mine = torch.zeros(
+                            (width, router.num_experts), dtype=torch.float32, device=self.device
+                        )
+                        for i, peer in enumerate(ready):
+                            self.connector.recv(peer, lg_mine[offsets[i] : offsets[i + 1]])
+                t1 = clock()
+                with record_function("afd.ffn_compute"):
+                    x = gather(x_mine)
+                    if router is None:
+                        y = module(x)
+                    else:
+                        y = router.forward(module, x, gather(lg_mine))
+                    if self._sync_timing:
+                        torch.cuda.current_stream().synchronize()
+                t2 = clock()
+                with record_function("afd.send"):
+                    for i, peer in enumerate(ready):
+                        self.connector.send(peer, y[start + offsets[i] : start + offsets[i + 1]])
+                t3 = clock()
+                metrics.STATS.layer(layer_idx, t2 - t1)
+                transfer += (t1 - t0) + (t3 - t2)
+                compute += t2 - t1
+        return transfer, compute
 
     def _run_step(self, ready) -> None:
         from vllm.afd.protocol import ubatch_of

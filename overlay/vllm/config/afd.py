@@ -216,20 +216,13 @@ class AFDConfig:
         """Refuse combinations this release does not support (duck-typed on
         VllmConfig so that this module needs no vLLM import)."""
         parallel = getattr(vllm_config, "parallel_config", None)
+        device_config = getattr(vllm_config, "device_config", None)
+        device_type = getattr(device_config, "device_type", "cpu")
         if parallel is not None:
-            tp = getattr(parallel, "tensor_parallel_size", 1)
-            pp = getattr(parallel, "pipeline_parallel_size", 1)
-            if tp != 1 or pp != 1:
-                raise AFDConfigError(
-                    f"AFD: tensor/pipeline parallelism inside a role is not supported yet "
-                    f"(got tensor_parallel_size={tp}, pipeline_parallel_size={pp}); "
-                    "scale with more attention ranks instead"
-                )
+            self._verify_parallel(parallel, device_type)
         if getattr(vllm_config, "speculative_config", None) is not None:
             raise AFDConfigError("AFD: speculative decoding is not supported yet")
         model_config = getattr(vllm_config, "model_config", None)
-        device_config = getattr(vllm_config, "device_config", None)
-        device_type = getattr(device_config, "device_type", "cpu")
         if parallel is not None and getattr(parallel, "enable_dbo", False):
             if self.is_ffn:
                 raise AFDConfigError(
@@ -261,6 +254,56 @@ class AFDConfig:
                 self.connector,
             )
             model_config.enforce_eager = True
+
+    def _verify_parallel(self, parallel: Any, device_type: str) -> None:
+        """Tensor parallelism only as an FFN group: one FFN server whose
+        ``tensor_parallel_size`` equals ``num_ffn_ranks`` runs every FFN rank as
+        one of its workers (worker i is FFN rank i); their experts are split
+        between them (expert parallel with --enable-expert-parallel, tensor
+        parallel without) and every layer runs on the tokens of all of them."""
+        tp = getattr(parallel, "tensor_parallel_size", 1)
+        pp = getattr(parallel, "pipeline_parallel_size", 1)
+        n = self.num_ffn_ranks
+        if pp != 1:
+            raise AFDConfigError(
+                f"AFD: pipeline parallelism inside a role is not supported "
+                f"(got pipeline_parallel_size={pp})"
+            )
+        if tp == 1:
+            return
+        if not self.is_ffn:
+            raise AFDConfigError(
+                f"AFD: tensor parallelism on the attention role is not supported yet "
+                f"(got tensor_parallel_size={tp}); scale with more attention ranks instead"
+            )
+        if tp != n:
+            raise AFDConfigError(
+                f"AFD: an FFN server with tensor_parallel_size={tp} runs that many FFN ranks "
+                f"as one group, so num_ffn_ranks must be {tp} (got {n}); or run one FFN "
+                "server per FFN rank with tensor_parallel_size 1"
+            )
+        if getattr(parallel, "data_parallel_size", 1) != 1:
+            raise AFDConfigError(
+                "AFD: an FFN group (tensor_parallel_size > 1) needs data_parallel_size 1"
+            )
+        if self.rank is not None:
+            raise AFDConfigError(
+                "AFD: drop 'rank' from the --afd-config of an FFN group: each of its "
+                "tensor_parallel_size workers is the FFN rank of its tensor-parallel rank"
+            )
+        if self.connector in GRAPH_CAPABLE_CONNECTORS:
+            raise AFDConfigError(
+                f"AFD: an FFN group (tensor_parallel_size {tp}) runs with connector 'gloo' in "
+                f"this release: connector {self.connector!r} maps a peer's buffers by the "
+                "device numbering of one process pair, and a group's workers sit on "
+                "different GPUs"
+            )
+        if device_type == "cpu" and getattr(parallel, "enable_expert_parallel", False):
+            raise AFDConfigError(
+                "AFD: --enable-expert-parallel is not supported on the CPU: vLLM's CPU MoE "
+                "kernels ignore the expert map (each rank would compute the wrong experts). "
+                "Drop it: the FFN group then splits every expert between its ranks"
+            )
 
     def _verify_dbo(self, parallel: Any, device_type: str) -> None:
         """DBO on the attention role: micro-batches at data-parallel size 1,
