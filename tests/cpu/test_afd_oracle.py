@@ -266,7 +266,10 @@ def test_ffn_group_refuses_micro_batched_steps(models_dir, tmp_path, procs):
     attention ranks end with the group's error, and the FFN server ends too
     (every member stops, none is left waiting in the group's collectives)."""
     model = models_dir / "qwen3_moe"
+    # timeout_s 45: an attention rank whose FFN rank ended before it connected
+    # retries until then.
     ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, ffn_group=2,
+                         extra={"timeout_s": 45},
                          attn_args=("--enable-dbo", "--dbo-threshold", "2"))
     t0 = time.monotonic()
     assert ffn.wait(START_TIMEOUT) == 3, ffn.tail()
