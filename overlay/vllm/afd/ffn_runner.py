@@ -311,52 +311,26 @@ class FFNModelRunner:
         experts), send this member's rows back."""
         from vllm.forward_context import set_forward_context
 
-        clock = time.perf_counter
         me, world = self.rank, self.group.world_size
         width, total = max(counts), sum(counts)
         start = sum(counts[:me])
         offsets = [0]
         for p in ready:
             offsets.append(offsets[-1] + p.control.num_tokens)
-        H = self.hidden_size
-        x_mine = torch.zeros((width, H), dtype=self.dtype, device=self.device)
+        x_mine = torch.empty((width, self.hidden_size), dtype=self.dtype, device=self.device)
         transfer = compute = 0.0
 
         def gather(t: torch.Tensor) -> torch.Tensor:
+            # Every member's rows (rows past a member's count are padding).
             full = self.group.all_gather(t, dim=0)  # (world * width, ...)
             return torch.cat([full[r * width : r * width + counts[r]] for r in range(world)])
 
         with set_forward_context(None, self.vllm_config, num_tokens=total):
             for layer_idx, module in self.modules.items():
-                t0 = clock()
-                with record_function("afd.recv"):
-                    for i, peer in enumerate(ready):
-                        self.connector.recv(peer, x_mine[offsets[i] : offsets[i + 1]])
-                    router = self.gates.get(layer_idx)
-                    lg_mine = None
-                    if router is not None:
-                        lg_mine = torch.zeros(
-                            (width, router.num_experts), dtype=torch.float32, device=self.device
-                        )
-                        for i, peer in enumerate(ready):
-                            self.connector.recv(peer, lg_mine[offsets[i] : offsets[i + 1]])
-                t1 = clock()
-                with record_function("afd.ffn_compute"):
-                    x = gather(x_mine)
-                    if router is None:
-                        y = module(x)
-                    else:
-                        y = router.forward(module, x, gather(lg_mine))
-                    if self._sync_timing:
-                        torch.cuda.current_stream().synchronize()
-                t2 = clock()
-                with record_function("afd.send"):
-                    for i, peer in enumerate(ready):
-                        self.connector.send(peer, y[start + offsets[i] : start + offsets[i + 1]])
-                t3 = clock()
-                metrics.STATS.layer(layer_idx, t2 - t1)
-                transfer += (t1 - t0) + (t3 - t2)
-                compute += t2 - t1
+                t, c = self._layer(layer_idx, module, ready, x_mine, offsets,
+                                   self._sync_timing, False, gather=gather, out_start=start)
+                transfer += t
+                compute += c
         return transfer, compute
 
     def _run_step(self, ready) -> None:
@@ -555,9 +529,13 @@ class FFNModelRunner:
                 compute += c
         return transfer, compute
 
-    def _layer(self, layer_idx, module, ready, x, offsets, sync: bool, capture: bool):
+    def _layer(self, layer_idx, module, ready, x, offsets, sync: bool, capture: bool,
+               gather: Callable[[torch.Tensor], torch.Tensor] | None = None, out_start: int = 0):
         """One layer for the step peers `ready` (rows offsets[i]:offsets[i+1] of
-        x are peer i's): receive, run the block, send. Returns (transfer, compute)."""
+        x are peer i's): receive, run the block, send. Returns (transfer, compute).
+        In an FFN group, ``gather`` turns this member's rows (and router logits)
+        into the whole group's, and this member's rows of the block's output
+        start at ``out_start``."""
         clock = time.perf_counter
         total = x.shape[0]
         t0 = clock()
@@ -574,6 +552,9 @@ class FFNModelRunner:
                     self.connector.recv(peer, logits[offsets[i] : offsets[i + 1]])
         t1 = clock()
         with record_function("afd.ffn_compute"):
+            if gather is not None:
+                x = gather(x)
+                logits = None if logits is None else gather(logits)
             y = module(x) if router is None else router.forward(module, x, logits)
             if sync:
                 # The TCP connector stages through host memory anyway;
@@ -582,7 +563,7 @@ class FFNModelRunner:
         t2 = clock()
         with record_function("afd.send"):
             for i, peer in enumerate(ready):
-                self.connector.send(peer, y[offsets[i] : offsets[i + 1]])
+                self.connector.send(peer, y[out_start + offsets[i] : out_start + offsets[i + 1]])
         t3 = clock()
         if not capture:
             metrics.STATS.layer(layer_idx, t2 - t1)
