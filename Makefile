@@ -80,9 +80,9 @@ test-oracle: models ## the CPU oracle alone (AFD == plain vLLM); per target: VLL
 	AFD_MODELS_DIR=$(CURDIR)/$(MODELS) $(VPY) -m pytest -q tests/cpu/test_afd_oracle.py $(PYTEST_ARGS)
 
 # The second target runs the oracle file except what depends on no vLLM code that differs
-# between targets beyond what its other cases start: the second model of the FFN group
-# case, and the attention-first start order (overlay retry logic).
-TARGET_DESELECT = --deselect "tests/cpu/test_afd_oracle.py::test_oracle_2a2f_ffn_group[deepseek_v2]" \
+# between targets beyond what its other cases start: the FFN group's 4A2F case (2A2F
+# runs), and the attention-first start order (overlay retry logic).
+TARGET_DESELECT = --deselect "tests/cpu/test_afd_oracle.py::test_oracle_ffn_group[deepseek_v2-4A2F]" \
 	--deselect tests/cpu/test_afd_oracle.py::test_oracle_attention_started_first
 test-target: models ## per-target CPU runtime check: oracle, vllm serve pair, metrics and profiling
 	AFD_MODELS_DIR=$(CURDIR)/$(MODELS) $(VPY) -m pytest -q --durations=15 tests/cpu/test_afd_oracle.py \

@@ -226,25 +226,29 @@ def test_oracle_2a1f(models_dir, tmp_path, procs):
     print(stopped[0])  # steps served, and how many of them batched both attention ranks
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2"])
-def test_oracle_2a2f_ffn_group(name, models_dir, tmp_path, procs):
-    """2A2F: one FFN server with tensor_parallel_size 2 runs FFN ranks 0 and 1 as
-    its two workers, each holding half of every expert (the CPU's MoE kernels do
-    not take vLLM's expert map, so the group splits experts tensor-parallel;
-    --enable-expert-parallel on CUDA). Attention rank r talks to FFN rank r only,
-    and every layer runs on the tokens of both. Each attention rank's output
-    equals plain vLLM's, which holds only if the two ranks' shares are disjoint
-    and are summed once (a rank holding everything, or a missing all-reduce,
-    would double or halve every FFN output)."""
+@pytest.mark.parametrize("name, num_attention", [("qwen3_moe", 2), ("deepseek_v2", 4)],
+                         ids=["qwen3_moe-2A2F", "deepseek_v2-4A2F"])
+def test_oracle_ffn_group(name, num_attention, models_dir, tmp_path, procs):
+    """2A2F and 4A2F: one FFN server with tensor_parallel_size 2 runs FFN ranks 0
+    and 1 as its two workers, each holding half of every expert (the CPU's MoE
+    kernels do not take vLLM's expert map, so the group splits experts
+    tensor-parallel; --enable-expert-parallel on CUDA). FFN rank f serves
+    attention ranks f*k..f*k+k-1 (k = M/2), and every layer runs on the tokens of
+    both members. Each attention rank's output equals plain vLLM's, which holds
+    only if the members' shares are disjoint and are summed once (a member holding
+    everything, or a missing all-reduce, would double or halve every FFN output),
+    and each member sends every attention rank its own rows back."""
     model = models_dir / name
     plain = plain_reference(model, tmp_path)
-    ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, ffn_group=2)
+    k = num_attention // 2
+    ffn, attns = run_afd(procs, tmp_path, model, num_attention=num_attention, ffn_group=2)
     for attn, out in attns:
         assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
         assert_matches(plain, json.loads(out.read_text()))
     text = ffn.text()
-    for r, peers in ((0, [0]), (1, [1])):
-        assert f"AFD FFN rank {r} of an FFN group of 2 (experts split tensor-parallel): " \
+    for f in (0, 1):
+        peers = list(range(f * k, (f + 1) * k))
+        assert f"AFD FFN rank {f} of an FFN group of 2 (experts split tensor-parallel): " \
                f"serving attention rank(s) {peers}" in text, ffn.tail()
     assert "AFD-FFN-GROUP ranks=[0, 1]" in text, ffn.tail()
     # SIGTERM to the server process only: it asks its workers for their counts.
@@ -254,11 +258,12 @@ def test_oracle_2a2f_ffn_group(name, models_dir, tmp_path, procs):
                for m in re.finditer(r"AFD-FFN-STOPPED rank=(\d) steps=(\d+) group_steps=(\d+)",
                                     ffn.text())}
     assert sorted(stopped) == [0, 1], ffn.tail()
-    # Both ranks served steps of their own attention rank, and every group step
-    # ran on both (a rank with no step of its own takes part with no rows).
+    # Both members served steps of their own attention ranks, and every group step
+    # ran on both (a member with no step of its own takes part with no rows).
     assert all(steps > 0 for steps, _ in stopped.values()), stopped
     assert stopped[0][1] == stopped[1][1] >= max(s for s, _ in stopped.values()), stopped
-    print(f"{name} 2A2F group: tokens identical on both attention ranks, {stopped}")
+    print(f"{name} {num_attention}A2F group: tokens identical on every attention rank, "
+          f"(steps, group steps) per member {stopped}")
 
 
 def test_ffn_group_refuses_micro_batched_steps(models_dir, tmp_path, procs):

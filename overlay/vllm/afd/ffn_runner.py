@@ -98,7 +98,9 @@ class FFNModelRunner:
         self.rank = 0
         self.group = None  # vLLM's tensor-parallel group of an FFN group
         self.group_steps = 0
-        self._group_last_step = 0.0
+        self._group_last_step = 0.0  # the group's last step
+        self._group_own_step = 0.0  # the last step of this member's attention ranks
+        self._group_window = 0.0
         self.profiler = None  # TorchProfilerWrapper while an attention rank profiles
         self._sync_timing = False
         self._profile_lock = threading.Lock()
@@ -176,6 +178,7 @@ class FFNModelRunner:
 
             self.group = get_tp_group()
             rank = self.group.rank_in_group
+            self._group_window = float(cfg.connector_extra_config.get("batch_window_ms", 5.0)) / 1e3
         ctx = ConnectorContext(
             config=cfg,
             rank=rank,
@@ -269,19 +272,31 @@ class FFNModelRunner:
         ranks, the members agree on the step (an all-gather of their token
         counts over the group's CPU channel), and if any has tokens they all
         run it, each contributing its rows (possibly none)."""
-        from vllm.afd.protocol import AFDPeerError, ubatch_of
+        from vllm.afd.protocol import AFDPeerError
 
         active = time.monotonic() - self._group_last_step < self.GROUP_ACTIVE_S
         with record_function("afd.wait_step"):
             ready = self.connector.wait_step(
                 timeout=self.GROUP_POLL_ACTIVE_S if active else self.GROUP_POLL_IDLE_S
             )
-        ubatched = sum(1 for p in ready if ubatch_of(p.control.flags)[1])
-        mine = torch.tensor(
-            [sum(p.control.num_tokens for p in ready), ubatched], dtype=torch.int64
-        )
-        rows = [torch.empty_like(mine) for _ in range(self.group.world_size)]
-        torch.distributed.all_gather(rows, mine, group=self.group.cpu_group)
+        # A member with no step whose own attention ranks had one within
+        # GROUP_ACTIVE_S says so: if another member has a step, those members
+        # wait up to the batch window (connector_extra_config.batch_window_ms) for
+        # theirs and the group agrees once more, so that steps arriving close
+        # together share one group step.
+        now = time.monotonic()
+        if ready:
+            self._group_own_step = now
+        waiting = not ready and now - self._group_own_step < self.GROUP_ACTIVE_S
+        rows = self._agree(ready, waiting=waiting)
+        if (
+            any(int(r[0]) for r in rows)
+            and any(int(r[2]) for r in rows)
+            and self._group_window > 0
+        ):
+            if waiting:
+                ready = self.connector.wait_step(timeout=self._group_window)
+            rows = self._agree(ready, waiting=False)
         counts = [int(r[0]) for r in rows]
         if any(int(r[1]) for r in rows):
             who = [f for f, r in enumerate(rows) if int(r[1])]
@@ -303,6 +318,19 @@ class FFNModelRunner:
         if self.group_steps == 1:
             logger.info("AFD FFN rank %d: first group step, tokens per member %s",
                         self.rank, counts)  # fmt: skip
+
+    def _agree(self, ready, waiting: bool) -> list[torch.Tensor]:
+        """All-gather (tokens, micro-batched steps, waiting for a step) of every
+        member over the group's CPU channel."""
+        from vllm.afd.protocol import ubatch_of
+
+        ubatched = sum(1 for p in ready if ubatch_of(p.control.flags)[1])
+        mine = torch.tensor(
+            [sum(p.control.num_tokens for p in ready), ubatched, int(waiting)], dtype=torch.int64
+        )
+        rows = [torch.empty_like(mine) for _ in range(self.group.world_size)]
+        torch.distributed.all_gather(rows, mine, group=self.group.cpu_group)
+        return rows
 
     def _group_step_body(self, ready, counts: list[int]):
         """Every layer of one group step: receive this member's rows, gather
