@@ -81,9 +81,13 @@ test-oracle: models ## the CPU oracle alone (AFD == plain vLLM); per target: VLL
 
 # The second target runs the oracle file except what depends on no vLLM code that differs
 # between targets beyond what its other cases start: the FFN group's 4A2F case (2A2F
-# runs), and the attention-first start order (overlay retry logic).
+# runs), its DBO refusal (overlay logic), the attention-first start order (overlay retry
+# logic), and the wrong-topology handshake (the same refusal path as the mismatched
+# layer count, which runs).
 TARGET_DESELECT = --deselect "tests/cpu/test_afd_oracle.py::test_oracle_ffn_group[deepseek_v2-4A2F]" \
-	--deselect tests/cpu/test_afd_oracle.py::test_oracle_attention_started_first
+	--deselect tests/cpu/test_afd_oracle.py::test_ffn_group_refuses_micro_batched_steps \
+	--deselect tests/cpu/test_afd_oracle.py::test_oracle_attention_started_first \
+	--deselect tests/cpu/test_afd_oracle.py::test_wrong_topology_ends_both
 test-target: models ## per-target CPU runtime check: oracle, vllm serve pair, metrics and profiling
 	AFD_MODELS_DIR=$(CURDIR)/$(MODELS) $(VPY) -m pytest -q --durations=15 tests/cpu/test_afd_oracle.py \
 		tests/cpu/test_afd_serve.py tests/cpu/test_afd_observability.py $(TARGET_DESELECT) $(PYTEST_ARGS)

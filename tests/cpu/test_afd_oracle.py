@@ -149,9 +149,11 @@ def assert_matches(plain: dict, afd: dict) -> float:
 
 def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
             num_attention=1, extra: dict | None = None, attn_model: Path | None = None,
-            attn_args: tuple[str, ...] = (), ffn_group: int = 1):
+            attn_args: tuple[str, ...] = (), ffn_group: int = 1,
+            attn_extra: dict | None = None):
     """ffn_group > 1: one FFN server of that many tensor-parallel workers, FFN
-    ranks 0..ffn_group-1 (an FFN group)."""
+    ranks 0..ffn_group-1 (an FFN group). attn_extra: --afd-config keys of the
+    attention ranks only (timeouts: the handshake does not compare them)."""
     extra = dict(extra or {})
     port = free_port(ffn_group)
     prompts = write_prompts(tmp_path)
@@ -166,7 +168,8 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
 
     def start_attn(rank: int):
         out = tmp_path / f"afd_{rank}.json"
-        p = Proc(["attention", "--afd", afd_json("attention", port, rank=rank, **topo),
+        p = Proc(["attention", "--afd", afd_json("attention", port, rank=rank,
+                                                 **{**topo, **(attn_extra or {})}),
                   "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "4",
                   *attn_args],
                  attn_model or model, tmp_path / f"attn_{rank}.log")
@@ -271,10 +274,10 @@ def test_ffn_group_refuses_micro_batched_steps(models_dir, tmp_path, procs):
     attention ranks end with the group's error, and the FFN server ends too
     (every member stops, none is left waiting in the group's collectives)."""
     model = models_dir / "qwen3_moe"
-    # timeout_s 45: an attention rank whose FFN rank ended before it connected
-    # retries until then.
+    # An attention rank whose FFN rank ended before it connected retries for its
+    # timeout_s (20 s from its first attempt); the FFN ranks wait up to 45 s for theirs.
     ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, ffn_group=2,
-                         extra={"timeout_s": 45},
+                         extra={"timeout_s": 45}, attn_extra={"timeout_s": 20},
                          attn_args=("--enable-dbo", "--dbo-threshold", "2"))
     t0 = time.monotonic()
     assert ffn.wait(START_TIMEOUT) == 3, ffn.tail()
