@@ -133,21 +133,24 @@ def _plain(name, mode, runner, tmp_path, procs) -> dict:
 
 
 def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None,
-         attn_args=(), keep_ffn=None, num_attention=1, gpu_args=GPU_ARGS):
-    """Start an FFN rank and `num_attention` attention ranks (rank r writes
+         attn_args=(), keep_ffn=None, num_attention=1, gpu_args=GPU_ARGS,
+         ffn_group=1, ffn_args=()):
+    """Start an FFN server and `num_attention` attention ranks (rank r writes
     afd_{r}.json, logs attn_{r}.log), wait for every attention rank; the output of
-    each, in rank order, or the only one's with one attention rank."""
+    each, in rank order, or the only one's with one attention rank. ffn_group > 1:
+    the FFN server runs that many FFN ranks as its workers (pass its
+    --tensor-parallel-size in ffn_args, and its GPUs as ffn_gpu)."""
     model = MODELS_DIR / name
     prompts = oracle.write_prompts(tmp_path)
     port = oracle.free_port(3)
     # Device waits give up after timeout_s: keep a broken run short.
-    kw = dict(connector=connector, timeout_s=30, **(extra or {}))
+    kw = {"connector": connector, "timeout_s": 30, **(extra or {})}
     if num_attention > 1:
-        kw.update(num_attention_ranks=num_attention, num_ffn_ranks=1)
+        kw.update(num_attention_ranks=num_attention, num_ffn_ranks=ffn_group)
     # The attention ranks on GPU 0; with cuda_ipc each side also sees the other's GPU.
     att_gpu = su.cuda_visible_devices("0", str(ffn_gpu), connector)
     ffn_vis = su.cuda_visible_devices(str(ffn_gpu), "0", connector)
-    ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **kw)],
+    ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **kw), *ffn_args],
                 model, tmp_path / "ffn.log", ffn_vis, procs, gpu_args=gpu_args)
     attns = []
     for r in range(num_attention):
@@ -287,26 +290,14 @@ def test_gpu_oracle_2a2f_ffn_group_expert_parallel(name, tmp_path, procs):
     take the expert map), two attention ranks on GPU 0, connector gloo (an FFN group's
     connector in this release; the attention role runs eager). Each attention rank
     equals plain vLLM."""
-    model = MODELS_DIR / name
     plain = _plain(name, "eager", "v1", tmp_path / "plain", procs)
-    prompts = oracle.write_prompts(tmp_path)
-    port = oracle.free_port(3)
-    kw = dict(connector="gloo", timeout_s=60, num_attention_ranks=2, num_ffn_ranks=2)
-    ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **kw),
-                 "--tensor-parallel-size", "2", "--enable-expert-parallel"],
-                model, tmp_path / "ffn.log", "0,1", procs, gpu_args=MN_GPU_ARGS)
-    attns = []
-    for r in range(2):
-        out = tmp_path / f"afd_{r}.json"
-        attn = _proc(["attention", "--afd", oracle.afd_json("attention", port, rank=r, **kw),
-                      "--prompts", str(prompts), "--out", str(out)],
-                     model, tmp_path / f"attn_{r}.log", 0, procs, "v1", gpu_args=MN_GPU_ARGS)
-        attns.append((attn, out))
-    for attn, _ in attns:
-        assert attn.wait(START) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
-    worst = max(_compare(plain, json.loads(out.read_text())) for _, out in attns)
+    ffns: list = []
+    outs = _afd(name, "gloo", "0,1", "eager", "v1", tmp_path, procs, extra={"timeout_s": 60},
+                keep_ffn=ffns, num_attention=2, gpu_args=MN_GPU_ARGS, ffn_group=2,
+                ffn_args=("--tensor-parallel-size", "2", "--enable-expert-parallel"))
+    worst = max(_compare(plain, out) for out in outs)
     text = _ffn_log(tmp_path)
     for r in range(2):
-        assert f"AFD FFN rank {r} of an FFN group of 2 (expert parallel)" in text, ffn.tail()
+        assert f"AFD FFN rank {r} of an FFN group of 2 (expert parallel)" in text, ffns[0].tail()
     print(f"ORACLE {name} gloo eager 2A2F FFN group (EP 2, GPUs 0 and 1): tokens identical on "
           f"both attention ranks, max |logprob diff| {worst:.3g}")
