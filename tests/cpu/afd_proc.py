@@ -102,7 +102,7 @@ def serve_ffn(args) -> int:
 
 def _group_stats(worker) -> dict:
     r = worker.model_runner
-    return {"rank": r.rank, "steps": r.steps_served, "group_steps": getattr(r, "group_steps", 0),
+    return {"rank": r.rank, "steps": r.steps_served, "group_steps": r.group_steps,
             "error": r.error}
 
 

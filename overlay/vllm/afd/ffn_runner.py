@@ -172,7 +172,6 @@ class FFNModelRunner:
         # An FFN group: one FFN server of num_ffn_ranks tensor-parallel workers
         # (the config allows tensor parallelism on the FFN role only so); worker
         # i is FFN rank i and every layer runs on the tokens of all of them.
-        self.group = None
         if self.vllm_config.parallel_config.tensor_parallel_size > 1:
             from vllm.distributed.parallel_state import get_tp_group
 
