@@ -240,7 +240,7 @@ def serve_command(model: str | os.PathLike, port: int, *, python: str | None = N
     return cmd
 
 
-_PORT_BASES: set[int] = set()
+_PORT_BASES: list[int] = []  # the bases handed out last, oldest first
 
 
 def internal_port_base() -> int:
@@ -248,13 +248,13 @@ def internal_port_base() -> int:
     (torch.distributed, ZMQ). Without it vLLM takes ephemeral ports it checked a moment
     earlier, and a concurrent client connection can take the same port in between
     (EADDRINUSE at ``init_process_group``). Bases lie below the ephemeral range, 100
-    apart, a different one for each of the last 100 servers of this process (then
-    they are handed out again: vLLM skips a port that is taken)."""
+    apart; a base is not handed out again while it is among the last 50 handed out, so
+    servers started close together never share one (vLLM checks a port is free before
+    it binds it, but a multi-process server binds its store seconds after that check)."""
     bases = range(20000, 30000, 100)
-    if len(_PORT_BASES) >= len(bases):
-        _PORT_BASES.clear()
     base = random.SystemRandom().choice([b for b in bases if b not in _PORT_BASES])
-    _PORT_BASES.add(base)
+    _PORT_BASES.append(base)
+    del _PORT_BASES[:-50]
     return base
 
 

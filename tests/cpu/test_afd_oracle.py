@@ -65,13 +65,34 @@ def env_for(model: Path) -> dict:
     return env
 
 
+def cpu_shm_files(vllm_port: int) -> list[str]:
+    """Shared-memory files of vLLM's CPU tensor-parallel communicator
+    (``<VLLM_DIST_IDENT>-tp:0-[0-1]-cpushm_<rank>``; the ident is the server's
+    distributed-init port: its VLLM_PORT, or the next free port above it)."""
+    if not os.path.isdir("/dev/shm"):
+        return []
+    out = []
+    for name in os.listdir("/dev/shm"):
+        head = name.split("-", 1)[0]
+        if "-cpushm" in name and head.isdigit() and vllm_port <= int(head) < vllm_port + 100:
+            out.append(name)
+    return sorted(out)
+
+
 class Proc:
     def __init__(self, args: list[str], model: Path, log: Path):
         self.log = log
         self.fh = open(log, "w")
+        env = env_for(model)
+        self.vllm_port = int(env["VLLM_PORT"])
+        # A server killed earlier (here or by an earlier run) leaves its files behind,
+        # and a tensor-parallel server of the same internal port would then fail at
+        # start (EEXIST). No live server of this session has this port base.
+        for name in cpu_shm_files(self.vllm_port):
+            Path("/dev/shm", name).unlink(missing_ok=True)
         self.p = subprocess.Popen(
             [sys.executable, str(PROC), *args, "--model", str(model)],
-            stdout=self.fh, stderr=subprocess.STDOUT, env=env_for(model),
+            stdout=self.fh, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
         )
 
@@ -88,7 +109,15 @@ class Proc:
         return self.log.read_text(errors="replace")
 
     def tail(self, n: int = 40) -> str:
-        return "\n".join(self.text().splitlines()[-n:])
+        """The log's first traceback (the root cause: a worker's error sits far above
+        the executor's re-raise), its last n lines, and last the root cause's own line
+        (what a truncated report still shows)."""
+        last = "\n".join(self.text().splitlines()[-n:])
+        first = su.find_traceback(self.log)
+        if first is None:
+            return last
+        cause = first.split("\n(later tracebacks end with:)")[0].splitlines()[-1]
+        return f"{first}\n--- last {n} lines ---\n{last}\n--- root cause: {cause.strip()}"
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.p.poll() is None:
@@ -288,6 +317,13 @@ def test_ffn_group_refuses_micro_batched_steps(models_dir, tmp_path, procs):
     assert "an FFN group (tensor_parallel_size > 1) serves steps without micro-batches" \
            in text and "drop --enable-dbo from the attention servers" in text, ffn.tail()
     assert "AFD-FFN-FAILED: a worker of the FFN group died" in text, ffn.tail()
+    # The members end with os._exit, which skips vLLM's cleanup of its CPU
+    # communicator's shared memory: the AFD exit path unlinks it (a file left
+    # behind fails the next group server of the same internal port at start).
+    deadline = time.monotonic() + 10
+    while cpu_shm_files(ffn.vllm_port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cpu_shm_files(ffn.vllm_port) == [], ffn.tail()
 
 
 def ffn_stopped_counts(ffn) -> dict[str, int]:

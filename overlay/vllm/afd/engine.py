@@ -121,11 +121,12 @@ def _exit_worker_on_fatal(worker) -> None:
 
 
 def _exit_worker(message: str) -> None:
-    import os
     import sys
 
+    from vllm.afd import failure
+
     print(f"AFD FFN rank failed: {message}; ending this worker", file=sys.stderr, flush=True)
-    os._exit(1)
+    failure.exit_now(message)
 
 
 def worker_profile_hook(worker, is_start: bool) -> bool:

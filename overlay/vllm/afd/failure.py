@@ -83,6 +83,28 @@ def exit_now(message: str) -> None:
     import logging
     import sys
 
+    release_cpu_shm()
     logging.shutdown()
     sys.stderr.flush()
     os._exit(1)
+
+
+def release_cpu_shm() -> list[str]:
+    """Unlink the shared-memory files of vLLM's CPU tensor-parallel communicator
+    (``/dev/shm/<VLLM_DIST_IDENT>-tp:...-cpushm_<rank>``) of this server before an
+    ``os._exit``, which skips their cleanup. A file left behind makes the next
+    server with the same internal port fail at start ("create shm in SHMManager
+    failed. errno: 17"). The name is only unlinked: a member still running keeps
+    its mapping. No-op outside a CPU worker of a tensor-parallel server."""
+    ident = os.environ.get("VLLM_DIST_IDENT")
+    if not ident or not os.path.isdir("/dev/shm"):
+        return []
+    removed = []
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"{ident}-") and "-cpushm" in name:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
