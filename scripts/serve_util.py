@@ -424,6 +424,18 @@ def find_traceback(log_path: str | os.PathLike, max_lines: int = 60) -> str | No
     return "\n".join(out)
 
 
+def failure_excerpt(log_path: str | os.PathLike, lines: int = 40) -> str:
+    """For a test's failure report: the log's first traceback (the root cause: a
+    worker's error sits far above the executor's re-raise), its last ``lines`` lines,
+    and last the root cause's own line (what a truncated report still shows)."""
+    last = log_tail(log_path, lines)
+    first = find_traceback(log_path)
+    if first is None:
+        return last
+    cause = first.split("\n(later tracebacks end with:)")[0].splitlines()[-1]
+    return f"{first}\n--- last {lines} lines ---\n{last}\n--- root cause: {cause.strip()}"
+
+
 # ---------------------------------------------------------------------------- HTTP
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     """(status, body) of a GET; raises OSError (URLError, ConnectionError) when the

@@ -133,15 +133,7 @@ class Proc:
         return self.log.read_text(errors="replace")
 
     def tail(self, n: int = 40) -> str:
-        """The log's first traceback (the root cause: a worker's error sits far above
-        the executor's re-raise), its last n lines, and last the root cause's own line
-        (what a truncated report still shows)."""
-        last = "\n".join(self.text().splitlines()[-n:])
-        first = su.find_traceback(self.log)
-        if first is None:
-            return last
-        cause = first.split("\n(later tracebacks end with:)")[0].splitlines()[-1]
-        return f"{first}\n--- last {n} lines ---\n{last}\n--- root cause: {cause.strip()}"
+        return su.failure_excerpt(self.log, n)
 
     def wait(self, timeout: float) -> int | None:
         try:

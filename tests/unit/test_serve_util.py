@@ -80,3 +80,24 @@ def test_shared_gpu_note_only_for_afd_modes_with_both_roles_on_one_gpu():
     assert su.shared_gpu_note("cuda", ["plain", "afd"], "0", "1") is None  # own GPUs
     assert su.shared_gpu_note("cuda", ["plain"], "0", "0") is None  # no AFD run
     assert su.shared_gpu_note("cpu", ["afd"], "0", "0") is None  # CPU: cores, not GPUs
+
+
+def test_failure_excerpt_ends_with_the_first_tracebacks_error(tmp_path):
+    log = tmp_path / "ffn.log"
+    log.write_text(
+        "INFO starting\n"
+        "(Worker pid=7) ERROR 12-02 20:33:45 [multiproc_executor.py:901] Traceback (most recent call last):\n"
+        '(Worker pid=7) ERROR 12-02 20:33:45 [multiproc_executor.py:901]   File "x.py", line 1, in f\n'
+        "(Worker pid=7) ERROR 12-02 20:33:45 [multiproc_executor.py:901] RuntimeError: create shm failed. errno: 17\n"
+        + "".join(f"noise {i}\n" for i in range(100))
+        + "Traceback (most recent call last):\n"
+        '  File "y.py", line 2, in g\n'
+        "Exception: WorkerProc initialization failed\n"
+    )
+    out = su.failure_excerpt(log, 5)
+    assert out.splitlines()[-1].endswith("RuntimeError: create shm failed. errno: 17")
+    assert "Exception: WorkerProc initialization failed" in out and "noise 99" in out
+    assert "noise 50" not in out
+    plain = tmp_path / "ok.log"
+    plain.write_text("a\nb\nc\n")
+    assert su.failure_excerpt(plain, 2) == "b\nc"
