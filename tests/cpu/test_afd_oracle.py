@@ -109,15 +109,7 @@ class Proc:
         return self.log.read_text(errors="replace")
 
     def tail(self, n: int = 40) -> str:
-        """The log's first traceback (the root cause: a worker's error sits far above
-        the executor's re-raise), its last n lines, and last the root cause's own line
-        (what a truncated report still shows)."""
-        last = "\n".join(self.text().splitlines()[-n:])
-        first = su.find_traceback(self.log)
-        if first is None:
-            return last
-        cause = first.split("\n(later tracebacks end with:)")[0].splitlines()[-1]
-        return f"{first}\n--- last {n} lines ---\n{last}\n--- root cause: {cause.strip()}"
+        return su.failure_excerpt(self.log, n)
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.p.poll() is None:
@@ -179,10 +171,12 @@ def assert_matches(plain: dict, afd: dict) -> float:
 def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
             num_attention=1, extra: dict | None = None, attn_model: Path | None = None,
             attn_args: tuple[str, ...] = (), ffn_group: int = 1,
-            attn_extra: dict | None = None):
+            attn_extra: dict | None = None, ffn_ready_first: bool = False):
     """ffn_group > 1: one FFN server of that many tensor-parallel workers, FFN
     ranks 0..ffn_group-1 (an FFN group). attn_extra: --afd-config keys of the
-    attention ranks only (timeouts: the handshake does not compare them)."""
+    attention ranks only (timeouts: the handshake does not compare them).
+    ffn_ready_first: start the attention ranks once the FFN server listens (their
+    connect timeout then counts from their first attempt, not from the FFN's start)."""
     extra = dict(extra or {})
     port = free_port(ffn_group)
     prompts = write_prompts(tmp_path)
@@ -206,6 +200,12 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
         return p, out
 
     ffn = None if attention_first else start_ffn()
+    if ffn_ready_first:
+        deadline = time.monotonic() + START_TIMEOUT
+        while "AFD-FFN-READY" not in ffn.text():
+            assert ffn.p.poll() is None, ffn.tail()
+            assert time.monotonic() < deadline, ffn.tail()
+            time.sleep(0.2)
     attns = [start_attn(r) for r in range(num_attention)]
     if attention_first:
         time.sleep(5)  # the attention side is up and waiting for its peer
@@ -303,10 +303,11 @@ def test_ffn_group_refuses_micro_batched_steps(models_dir, tmp_path, procs):
     attention ranks end with the group's error, and the FFN server ends too
     (every member stops, none is left waiting in the group's collectives)."""
     model = models_dir / "qwen3_moe"
-    # An attention rank whose FFN rank ended before it connected retries for its
-    # timeout_s (20 s from its first attempt); the FFN ranks wait up to 45 s for theirs.
+    # The attention ranks start once the group listens: an attention rank whose FFN
+    # rank ended before it connected retries for its timeout_s (20 s from its first
+    # attempt), and none gives up while the group is still starting (a loaded host).
     ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, ffn_group=2,
-                         extra={"timeout_s": 45}, attn_extra={"timeout_s": 20},
+                         attn_extra={"timeout_s": 20}, ffn_ready_first=True,
                          attn_args=("--enable-dbo", "--dbo-threshold", "2"))
     t0 = time.monotonic()
     assert ffn.wait(START_TIMEOUT) == 3, ffn.tail()
