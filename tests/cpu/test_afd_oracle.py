@@ -201,11 +201,8 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
 
     ffn = None if attention_first else start_ffn()
     if ffn_ready_first:
-        deadline = time.monotonic() + START_TIMEOUT
-        while "AFD-FFN-READY" not in ffn.text():
-            assert ffn.p.poll() is None, ffn.tail()
-            assert time.monotonic() < deadline, ffn.tail()
-            time.sleep(0.2)
+        assert su.wait_for_log(ffn.log, "AFD-FFN-READY", START_TIMEOUT, proc=ffn.p) \
+            is not None, ffn.tail()
     attns = [start_attn(r) for r in range(num_attention)]
     if attention_first:
         time.sleep(5)  # the attention side is up and waiting for its peer
@@ -405,11 +402,8 @@ def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
                  "--prompts", str(write_prompts(tmp_path, spec)),
                  "--out", str(tmp_path / "o.json")], model, tmp_path / "attn.log")
     procs.append(attn)
-    deadline = time.monotonic() + START_TIMEOUT
-    while "AFD-PROC-GENERATING" not in attn.text():
-        assert attn.p.poll() is None, attn.tail()
-        assert time.monotonic() < deadline, attn.tail()
-        time.sleep(0.5)
+    assert su.wait_for_log(attn.log, "AFD-PROC-GENERATING", START_TIMEOUT, proc=attn.p,
+                           poll=0.5) is not None, attn.tail()
     time.sleep(1)  # generation under way
     assert attn.p.poll() is None, attn.tail()
     ffn.kill(signal.SIGKILL)
