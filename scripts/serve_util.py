@@ -389,18 +389,8 @@ def log_tail(log_path: str | os.PathLike, lines: int = 60) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def find_traceback(log_path: str | os.PathLike, max_lines: int = 60) -> str | None:
-    """The first Python traceback of a log (usually the root cause; vLLM's wrappers re-raise
-    it later as "Engine core initialization failed") plus the final exception line of every
-    later one; None when the log has no traceback."""
-    try:
-        lines = Path(log_path).read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    starts = [i for i, ln in enumerate(lines) if "Traceback (most recent call last)" in ln]
-    if not starts:
-        return None
-
+def _traceback_blocks(lines: list[str]) -> list[list[str]]:
+    """Each Python traceback of a log's lines, up to its error line."""
     def block(i: int) -> list[str]:
         out = [lines[i]]
         for ln in lines[i + 1:]:
@@ -412,28 +402,50 @@ def find_traceback(log_path: str | os.PathLike, max_lines: int = 60) -> str | No
                 break
         return out
 
-    first = block(starts[0])
+    return [block(i) for i, ln in enumerate(lines)
+            if "Traceback (most recent call last)" in ln]
+
+
+def _format_tracebacks(blocks: list[list[str]], max_lines: int) -> str:
+    first = blocks[0]
     out = first[:max_lines] + (["    ..."] + first[-3:] if len(first) > max_lines else [])
     finals = []
-    for i in starts[1:]:
-        last = block(i)[-1]
-        if last not in finals and last != first[-1]:
-            finals.append(last)
+    for b in blocks[1:]:
+        if b[-1] not in finals and b[-1] != first[-1]:
+            finals.append(b[-1])
     if finals:
         out += ["(later tracebacks end with:)"] + finals
     return "\n".join(out)
+
+
+def _log_lines(log_path: str | os.PathLike) -> list[str] | None:
+    try:
+        return Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+
+
+def find_traceback(log_path: str | os.PathLike, max_lines: int = 60) -> str | None:
+    """The first Python traceback of a log (usually the root cause; vLLM's wrappers re-raise
+    it later as "Engine core initialization failed") plus the final exception line of every
+    later one; None when the log has no traceback."""
+    blocks = _traceback_blocks(_log_lines(log_path) or [])
+    return _format_tracebacks(blocks, max_lines) if blocks else None
 
 
 def failure_excerpt(log_path: str | os.PathLike, lines: int = 40) -> str:
     """For a test's failure report: the log's first traceback (the root cause: a
     worker's error sits far above the executor's re-raise), its last ``lines`` lines,
     and last the root cause's own line (what a truncated report still shows)."""
-    last = log_tail(log_path, lines)
-    first = find_traceback(log_path)
-    if first is None:
+    all_lines = _log_lines(log_path)
+    if all_lines is None:
+        return log_tail(log_path, lines)  # says why it cannot be read
+    last = "\n".join(all_lines[-lines:])
+    blocks = _traceback_blocks(all_lines)
+    if not blocks:
         return last
-    cause = first.split("\n(later tracebacks end with:)")[0].splitlines()[-1]
-    return f"{first}\n--- last {lines} lines ---\n{last}\n--- root cause: {cause.strip()}"
+    return (f"{_format_tracebacks(blocks, 60)}\n--- last {lines} lines ---\n{last}\n"
+            f"--- root cause: {blocks[0][-1].strip()}")
 
 
 # ---------------------------------------------------------------------------- HTTP
