@@ -9,6 +9,15 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
+# vLLM's sampler holds torch.compile'd helpers (compiled_random_sample), which the engine's
+# warm-up runs: on the CPU, TorchDynamo then has inductor probe the vector ISA by building
+# test programs and loading each in a new Python process (torch._inductor.cpu_vec_isa),
+# 12-16 s of every engine start here. Every engine these tests start is eager
+# (enforce_eager), so the processes they start run with TorchDynamo off: the same code
+# for plain vLLM and AFD, the sampler's helpers uncompiled. TORCHDYNAMO_DISABLE=0 in the
+# environment keeps it on.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 # Environment for a vLLM engine on this CPU machine: small KV cache, engine core in-process
 # (faster start, one process per engine subprocess), no GPU-only sampler.
 VLLM_CPU_ENV = {
