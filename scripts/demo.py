@@ -7,11 +7,14 @@ prompts concurrently (greedy, 16 tokens, top-5 logprobs) to the attention server
 the FFN server refuses generation, stops both; then serves the same model without AFD, sends
 the same prompts and prints both side by side. Exit code 0 only on MATCH: identical tokens and
 top-5 logprobs within 1e-4 at every position. Every server is stopped on every exit path.
+The servers run eager with TorchDynamo off (TORCHDYNAMO_DISABLE=1 unless set in the
+environment): it would compile only a sampler helper, at 12-16 s per engine start on the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import tempfile
@@ -175,6 +178,11 @@ def main() -> int:
         print(f"{args.model}: no config.json (run `make models`)", file=sys.stderr)
         return 2
     args.env = {"VLLM_MLA_DISABLE": "1"} if "deepseek" in Path(args.model).name else {}
+    if "TORCHDYNAMO_DISABLE" not in os.environ:
+        # The servers are eager (--enforce-eager); TorchDynamo would only compile a helper
+        # of the sampler, and on the CPU that makes each engine start probe the vector ISA
+        # in new Python processes (12-16 s). TORCHDYNAMO_DISABLE=0 keeps it on.
+        args.env["TORCHDYNAMO_DISABLE"] = "1"
     for item in args.env_list:
         key, sep, value = item.partition("=")
         if not sep:

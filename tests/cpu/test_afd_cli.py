@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,30 +21,40 @@ def _serve(model: Path, *args: str) -> tuple[int, str, float]:
     return r.returncode, r.stdout + r.stderr, time.monotonic() - t0
 
 
-@pytest.mark.parametrize(
-    "bad, message",
-    [
-        ('{"role": "bogus"}', "'role' must be one of attention, ffn"),
-        ('{"role": "ffn", "port": 0}', "'port' must be in 1..65535"),
-        ('{"role": "ffn", "colour": 1}', "unknown key(s) 'colour'"),
-        ('{"role": "ffn", "num_attention_ranks": 3, "num_ffn_ranks": 2}', "must be a multiple"),
-        ("not json", "not valid JSON"),
-    ],
-)
-def test_bad_afd_config_fails_at_parse(models_dir, bad, message):
-    rc, out, elapsed = _serve(models_dir / "llama", "--afd-config", bad)
+BAD_CONFIGS = [
+    ('{"role": "bogus"}', "'role' must be one of attention, ffn"),
+    ('{"role": "ffn", "port": 0}', "'port' must be in 1..65535"),
+    ('{"role": "ffn", "colour": 1}', "unknown key(s) 'colour'"),
+    ('{"role": "ffn", "num_attention_ranks": 3, "num_ffn_ranks": 2}', "must be a multiple"),
+    ("not json", "not valid JSON"),
+]
+
+
+TWICE = ("--afd-config", '{"role": "ffn"}', "--additional-config", '{"afd": {"role": "ffn"}}')
+
+
+@pytest.fixture(scope="module")
+def refused_runs(models_dir) -> dict[tuple[str, ...], tuple[int, str, float]]:
+    """`vllm serve` with each refused argument list (every BAD_CONFIGS entry, and AFD
+    configured twice), two at a time: each process spends its life importing vLLM on
+    one core."""
+    cases = [("--afd-config", bad) for bad, _ in BAD_CONFIGS] + [TWICE]
+    with ThreadPoolExecutor(2) as pool:
+        runs = {args: pool.submit(_serve, models_dir / "llama", *args) for args in cases}
+        return {args: run.result() for args, run in runs.items()}
+
+
+@pytest.mark.parametrize("bad, message", BAD_CONFIGS)
+def test_bad_afd_config_fails_at_parse(refused_runs, bad, message):
+    rc, out, elapsed = refused_runs[("--afd-config", bad)]
     assert rc == 2, out[-2000:]
     assert message in out, out[-2000:]
     assert "AFD: connecting" not in out and "listening on" not in out
     assert elapsed < 60
 
 
-def test_afd_config_and_additional_config_together_is_an_error(models_dir):
-    rc, out, _ = _serve(
-        models_dir / "llama",
-        "--afd-config", '{"role": "ffn"}',
-        "--additional-config", '{"afd": {"role": "ffn"}}',
-    )
+def test_afd_config_and_additional_config_together_is_an_error(refused_runs):
+    rc, out, _ = refused_runs[TWICE]
     assert rc != 0
     assert "AFD is configured twice" in out, out[-2000:]
     assert "listening on" not in out

@@ -205,7 +205,10 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
             is not None, ffn.tail()
     attns = [start_attn(r) for r in range(num_attention)]
     if attention_first:
-        time.sleep(5)  # the attention side is up and waiting for its peer
+        # The FFN server starts once every attention rank is up and trying to reach it.
+        for attn, _ in attns:
+            assert su.wait_for_log(attn.log, "AFD: connecting to FFN rank", START_TIMEOUT,
+                                   proc=attn.p) is not None, attn.tail()
         ffn = start_ffn()
     return ffn, attns
 
@@ -357,29 +360,40 @@ def test_oracle_dbo(name, gate_on_attention, models_dir, tmp_path, procs):
     print(f"{name} DBO: tokens identical, max |logprob diff| {worst:.2e}, {counts}")
 
 
+# The refusal tests start the FFN once the attention rank is trying to reach it: its
+# hello then comes at once, and the FFN's start-up timeout (counted from its listen) can
+# be short. The attention rank waits for the FFN with the default timeout.
+REFUSING_FFN_TIMEOUT_S = 10
+
+
 def test_mismatched_layer_count_ends_both(models_dir, tmp_path, procs):
     """The attention rank ends at the handshake; the FFN rank refuses it and ends at its
     start-up timeout, naming the refused hello."""
     ffn, [(attn, _)] = run_afd(procs, tmp_path, models_dir / "qwen3_moe",
-                               attn_model=models_dir / "qwen3_moe_2l",
-                               extra={"timeout_s": 40})
+                               attn_model=models_dir / "qwen3_moe_2l", attention_first=True,
+                               extra={"timeout_s": REFUSING_FFN_TIMEOUT_S},
+                               attn_extra={"timeout_s": 120})
     assert attn.wait(START_TIMEOUT) != 0
     assert ffn.wait(START_TIMEOUT) != 0
     for p in (attn, ffn):
         assert "mismatch on 'num_hidden_layers'" in p.text(), p.tail()
-    assert "did not connect within timeout_s=40. Last refused hello" in ffn.text(), ffn.tail()
+    assert f"did not connect within timeout_s={REFUSING_FFN_TIMEOUT_S}. Last refused hello" \
+        in ffn.text(), ffn.tail()
 
 
 def test_wrong_topology_ends_both(models_dir, tmp_path, procs):
     model = models_dir / "qwen3_moe"
     port = free_port(2)
-    ffn = Proc(["ffn", "--afd", afd_json("ffn", port, num_attention_ranks=2, timeout_s=40)],
-               model, tmp_path / "ffn.log")
-    procs.append(ffn)
-    attn = Proc(["attention", "--afd", afd_json("attention", port, timeout_s=40),
+    attn = Proc(["attention", "--afd", afd_json("attention", port),
                  "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "o.json")],
                 model, tmp_path / "attn.log")
     procs.append(attn)
+    assert su.wait_for_log(attn.log, "AFD: connecting to FFN rank", START_TIMEOUT,
+                           proc=attn.p) is not None, attn.tail()
+    ffn = Proc(["ffn", "--afd", afd_json("ffn", port, num_attention_ranks=2,
+                                         timeout_s=REFUSING_FFN_TIMEOUT_S)],
+               model, tmp_path / "ffn.log")
+    procs.append(ffn)
     assert attn.wait(START_TIMEOUT) != 0
     assert ffn.wait(START_TIMEOUT) != 0
     for p in (attn, ffn):
