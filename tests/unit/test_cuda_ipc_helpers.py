@@ -147,3 +147,43 @@ def test_watchdog_skips_the_device_probe_during_graph_captures():
             assert "connection closed" in conn._probe()
     finally:
         conn.sock.close()
+
+
+def test_every_graph_capture_of_the_worker_runs_inside_the_guard():
+    """Patch 0013: the GPU worker captures CUDA graphs at two sites, capture_model and
+    the CUDA graph memory profiling of determine_available_memory
+    (profile_cudagraph_memory); each runs inside graph_capture_guard, or the watchdog's
+    device read can invalidate that capture (seen on an H200 at the profiling site).
+    Read from the installed vLLM's source: the worker imports CUDA-only modules."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    path = Path(spec.origin).parent / "v1" / "worker" / "gpu_worker.py"
+    tree = ast.parse(path.read_text())
+    parents = {}
+    for node in ast.walk(tree):
+        for child in ast.iter_child_nodes(node):
+            parents[child] = node
+
+    def guarded(node) -> bool:
+        while node in parents:
+            node = parents[node]
+            if isinstance(node, ast.With) and any(
+                isinstance(i.context_expr, ast.Call)
+                and getattr(i.context_expr.func, "id", None) == "graph_capture_guard"
+                for i in node.items
+            ):
+                return True
+        return False
+
+    sites = [
+        n for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+        and n.func.attr in ("capture_model", "profile_cudagraph_memory")
+        and ast.unparse(n.func.value) == "self.model_runner"
+    ]  # fmt: skip
+    assert sorted({s.func.attr for s in sites}) == ["capture_model", "profile_cudagraph_memory"]
+    unguarded = [f"line {s.lineno}: {ast.unparse(s)}" for s in sites if not guarded(s)]
+    assert not unguarded, f"{path}: captures outside graph_capture_guard: {unguarded}"
