@@ -15,9 +15,15 @@ bytes moved and FLOPs, and prints where the two regimes meet.
 
 On a GPU each layer is captured in a CUDA graph (as the FFN rank's graph cache does) and
 replayed; `--device cpu` runs a plain torch loop over the experts instead (to try the script,
-its figures say nothing about a GPU). Routing is that of a random router (dummy weights:
-about uniform), so the number of experts a step touches is the uniform-routing one; a trained
-router's skew touches fewer experts, which moves the crossover to smaller T.
+its figures say nothing about a GPU).
+
+`--routing` picks how tokens reach experts: `uniform` (default) a random router (each token
+k distinct experts, about uniform: what a trained model's decode batch is close to; its skew
+touches somewhat fewer experts), `balanced` the project's `afd_balanced` benchmark routing
+(token t takes experts t*k .. t*k+k-1 mod E), `collapsed` every token the same k experts -
+what vLLM's dummy weights (`--load-format dummy`) give DeepSeek-V2 with the checkpoint's
+router: its logits are about 1e-5, the bf16 softmax rounds all scores to one value, and the
+top-k of a tie picks the same experts for every token (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -50,9 +56,20 @@ SHAPES = {
 }
 
 
-def expected_active_experts(tokens: int, experts: int, top_k: int) -> float:
-    """Experts touched by `tokens` tokens, each picking top_k distinct experts uniformly."""
-    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+ROUTINGS = ("uniform", "balanced", "collapsed")
+
+
+def expected_active_experts(tokens: int, experts: int, top_k: int,
+                            routing: str = "uniform") -> float:
+    """Experts touched by `tokens` tokens, each picking top_k distinct experts: uniformly at
+    random, round-robin (`balanced`) or all the same ones (`collapsed`)."""
+    if routing == "uniform":
+        return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+    if routing == "balanced":
+        return float(min(experts, tokens * top_k))
+    if routing == "collapsed":
+        return float(top_k)
+    raise ValueError(f"unknown routing {routing!r}: one of {ROUTINGS}")
 
 
 @dataclass(frozen=True)
@@ -76,15 +93,18 @@ class Roofline:
 
 def roofline(shape: MoEShape, tokens: int, ep: int = 1, dtype_bytes: int = 2,
              peak_tflops: float = 989.0, peak_tbs: float = 4.8,
-             active_experts: float | None = None) -> Roofline:
+             active_experts: float | None = None, routing: str = "uniform") -> Roofline:
     """One MoE layer of one FFN rank (of `ep` expert-parallel ranks) on `tokens` tokens.
     Weights: every touched routed expert (gate+up+down, 3*H*I) once, the rank's shard of the
     shared MLP and the router gate; activations: the layer's input and output and the routed
     experts' intermediate (written and read once)."""
     h, i = shape.hidden, shape.moe_intermediate
     if active_experts is None:
-        active_experts = expected_active_experts(tokens, shape.experts, shape.top_k) / ep
-    routed_pairs = tokens * shape.top_k / ep
+        active_experts = expected_active_experts(tokens, shape.experts, shape.top_k,
+                                                 routing) / ep
+    # routed (token, expert) pairs on this rank: an even share, except that collapsed
+    # routing's k experts are all on rank 0 (the one this models)
+    routed_pairs = tokens * shape.top_k / (1 if routing == "collapsed" else ep)
     shared_i = shape.shared * i / ep
     weights = (active_experts * 3 * h * i + 3 * h * shared_i + h * shape.experts) * dtype_bytes
     acts = (2 * tokens * h + routed_pairs * (2 * h + 3 * i)) * dtype_bytes
@@ -96,10 +116,10 @@ def roofline(shape: MoEShape, tokens: int, ep: int = 1, dtype_bytes: int = 2,
 
 def crossover_tokens(shape: MoEShape, ep: int = 1, dtype_bytes: int = 2,
                      peak_tflops: float = 989.0, peak_tbs: float = 4.8,
-                     limit: int = 1 << 20) -> int | None:
+                     limit: int = 1 << 20, routing: str = "uniform") -> int | None:
     """Smallest token count whose roofline time is compute-bound (None: not up to `limit`)."""
     def compute_bound(t):
-        r = roofline(shape, t, ep, dtype_bytes, peak_tflops, peak_tbs)
+        r = roofline(shape, t, ep, dtype_bytes, peak_tflops, peak_tbs, routing=routing)
         return r.compute_s >= r.memory_s
     lo, hi = 1, 1
     while not compute_bound(hi):
@@ -134,13 +154,17 @@ class Layer:
     """One MoE layer of one FFN rank with random weights (router gate, top-k, routed experts,
     shared MLP)."""
 
-    def __init__(self, shape: MoEShape, ep: int, device: str, dtype, seed: int = 0):
+    def __init__(self, shape: MoEShape, ep: int, device: str, dtype, seed: int = 0,
+                 routing: str = "uniform"):
         import torch
 
         if shape.experts % ep:
             raise SystemExit(f"--ep {ep} does not divide the {shape.experts} experts")
         self.torch = torch
         self.shape, self.ep, self.device, self.dtype = shape, ep, device, dtype
+        if routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {routing!r}: one of {ROUTINGS}")
+        self.routing = routing
         g = torch.Generator(device="cpu").manual_seed(seed)
         h, i, e = shape.hidden, shape.moe_intermediate, shape.experts
         local = e // ep
@@ -164,10 +188,16 @@ class Layer:
             self.fused = fused_experts
 
     def route(self, x):
+        """Router weights and expert ids; the gate GEMM and softmax run for every routing
+        (the FFN rank computes them), `balanced` and `collapsed` then replace the choice."""
         torch = self.torch
         logits = torch.nn.functional.linear(x, self.gate)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, ids = torch.topk(probs, self.shape.top_k, dim=-1)
+        if self.routing != "uniform":
+            k, e = self.shape.top_k, self.shape.experts
+            slots = torch.arange(x.shape[0] * k, device=x.device).view(-1, k)
+            ids = slots % e if self.routing == "balanced" else slots % k
         return w, ids.to(torch.int32)
 
     def shared_mlp(self, x):
@@ -271,6 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="deepseek-v2-lite")
     ap.add_argument("--tokens", default="16,32,64,128,192,256,384,512,768,1024,1536,2048",
                     help="token counts per layer call (M attention ranks x batch b)")
+    ap.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                    help="how tokens pick experts (module docstring)")
     ap.add_argument("--ep", type=int, default=1,
                     help="this rank is one of an expert-parallel FFN group of EP ranks")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -305,14 +337,16 @@ def main(argv=None) -> int:
 
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA device here (--device cpu or --analytic)")
-        layer = Layer(shape, args.ep, args.device, getattr(torch, args.dtype))
+        layer = Layer(shape, args.ep, args.device, getattr(torch, args.dtype),
+                      routing=args.routing)
         name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (torch loop)"
         print(f"device: {name}")
         if args.device == "cuda":
             print(f"fused MoE vs torch reference, 64 tokens: max rel. diff "
                   f"{check_kernel(layer):.2e}")
-    xover = crossover_tokens(shape, args.ep, nbytes, **peaks)
-    print(f"shape {args.shape}: {asdict(shape)}, ep {args.ep}, {args.dtype}; roofline "
+    xover = crossover_tokens(shape, args.ep, nbytes, routing=args.routing, **peaks)
+    print(f"shape {args.shape}: {asdict(shape)}, ep {args.ep}, routing {args.routing}, "
+          f"{args.dtype}; roofline "
           f"{args.peak_tflops:g} TFLOP/s, {args.peak_tbs:g} TB/s -> compute-bound from "
           f"T = {xover} tokens")
     hdr = (f"{'T':>6} {'experts':>8} {'weights MB':>10} {'FLOP/B':>7} {'bound us':>9}"
@@ -325,7 +359,8 @@ def main(argv=None) -> int:
         if layer is not None:
             x = (layer.torch.randn(t, shape.hidden) * 0.5).to(layer.device, layer.dtype)
             active = layer.active_experts(x)
-        r = roofline(shape, t, args.ep, nbytes, active_experts=active, **peaks)
+        r = roofline(shape, t, args.ep, nbytes, active_experts=active, routing=args.routing,
+                     **peaks)
         row = {"tokens": t, "active_experts": r.active_experts,
                "weight_bytes": r.weight_bytes, "act_bytes": r.act_bytes, "flops": r.flops,
                "intensity": r.intensity, "bound_us": r.bound_s * 1e6,
@@ -341,7 +376,8 @@ def main(argv=None) -> int:
                      f"{row['tflops']:>8.1f} {row['x_bound']:>8.2f}")
         rows.append(row)
         print(line, flush=True)
-    result = {"shape": args.shape, **asdict(shape), "ep": args.ep, "dtype": args.dtype,
+    result = {"shape": args.shape, **asdict(shape), "ep": args.ep, "routing": args.routing,
+              "dtype": args.dtype,
               "device": args.device, "graphs": args.device == "cuda" and not args.no_graphs,
               **peaks, "roofline_crossover_tokens": xover, "rows": rows}
     if layer is not None:
