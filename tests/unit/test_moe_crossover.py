@@ -90,3 +90,30 @@ def test_cli_analytic_and_refusals(tmp_path, capsys):
         mc.main(["--analytic", "--tokens", "0,4"])
     with pytest.raises(SystemExit, match="comma-separated"):
         mc.main(["--analytic", "--tokens", "a"])
+
+
+def test_routings_touch_the_experts_they_say():
+    assert mc.expected_active_experts(64, 64, 6, "collapsed") == 6
+    assert mc.expected_active_experts(4, 64, 6, "balanced") == 24
+    assert mc.expected_active_experts(64, 64, 6, "balanced") == 64
+    with pytest.raises(ValueError, match="unknown routing"):
+        mc.expected_active_experts(4, 64, 6, "skewed")
+    # vLLM's dummy weights on DeepSeek-V2 (collapsed): a tenth of the weight reads at batch 64
+    uni, col = mc.roofline(DSV2, 64), mc.roofline(DSV2, 64, routing="collapsed")
+    assert col.weight_bytes < uni.weight_bytes / 8
+    assert mc.crossover_tokens(DSV2, routing="collapsed") < mc.crossover_tokens(DSV2) / 4
+
+
+def test_layer_routings_on_cpu():
+    torch = pytest.importorskip("torch")
+    shape = mc.SHAPES["tiny"]
+    x = torch.randn(6, shape.hidden)
+    col = mc.Layer(shape, 1, "cpu", torch.float32, routing="collapsed")
+    _, ids = col.route(x)
+    assert ids.tolist() == [[0, 1]] * 6
+    bal = mc.Layer(shape, 1, "cpu", torch.float32, routing="balanced")
+    _, ids = bal.route(x)
+    assert ids.flatten().tolist() == [j % shape.experts for j in range(12)]
+    assert bal.active_experts(x) == shape.experts
+    with pytest.raises(ValueError, match="unknown routing"):
+        mc.Layer(shape, 1, "cpu", torch.float32, routing="skewed")
