@@ -21,6 +21,13 @@ servers, one per GPU, each sent ``--num-prompts`` requests at once, figures summ
 user with two GPUs would run instead of AFD 1A1F). Every mode's servers are started, measured
 and stopped before the next mode's. Figures per mode, from ``vllm bench serve``'s result:
 output tokens/s, requests/s, mean and median TPOT and TTFT, the duration.
+
+``--routing balanced`` starts every server (plain and both AFD roles) with
+``VLLM_MOE_ROUTING_SIMULATION_STRATEGY=afd_balanced``: each step spreads its tokens over all
+the experts, as a trained model's router roughly does. With ``--load-format dummy`` the
+checkpoint's router (``model``, the default) can route every token to the same experts
+(DeepSeek-V2: docs/benchmarks.md, "Dummy weights and MoE routing"), so the MoE then reads a
+fraction of the expert weights a real model reads.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import serve_util as su  # noqa: E402
 
 MODES = ("plain", "afd", "afd_dbo", "plain_x2")
+ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 # vllm bench serve's result keys reported here (summed over plain_x2's replicas where
 # marked True, averaged otherwise).
 FIGURES = {
@@ -81,9 +89,11 @@ def server_args(a) -> list[str]:
 
 
 def gpu_env(a, own: str, peer: str | None) -> dict[str, str]:
-    if a.device != "cuda":
-        return {}
-    return {"CUDA_VISIBLE_DEVICES": su.cuda_visible_devices(own, peer, a.connector)}
+    """Environment of one server: its GPUs (CUDA) and the benchmark routing."""
+    env = {ROUTING_ENV: "afd_balanced"} if a.routing == "balanced" else {}
+    if a.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = su.cuda_visible_devices(own, peer, a.connector)
+    return env
 
 
 def start(a, name: str, work: Path, *, afd: dict | None = None, env: dict | None = None,
@@ -205,6 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "string (e.g. \"--dtype bfloat16 --max-num-seqs 64\")")
     p.add_argument("--attention-args", help="more flags for the AFD attention server only "
                    "(e.g. \"--dbo-decode-token-threshold 8\")")
+    p.add_argument("--routing", choices=["model", "balanced"], default="model",
+                   help="MoE routing of every server: the checkpoint's router or afd_balanced")
     p.add_argument("--connector", default="gloo")
     p.add_argument("--connector-extra", help="JSON connector_extra_config for both AFD roles")
     p.add_argument("--afd-timeout", type=float, default=120.0, help="AFD timeout_s")
@@ -239,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     su.install_cleanup()
     print(f"model {a.model} ({a.load_format}), device {a.device}, {a.num_prompts} requests "
-          f"of {a.input_len} + {a.output_len} tokens per server, connector {a.connector}; "
+          f"of {a.input_len} + {a.output_len} tokens per server, connector {a.connector}, "
+          f"routing {a.routing}; "
           f"serve args: {a.serve_args or '-'}", flush=True)
     note = su.shared_gpu_note(a.device, a.modes, a.attention_gpu, a.ffn_gpu)
     if note:

@@ -54,3 +54,21 @@ def test_warmups_default_to_the_measured_request_count(tmp_path):
     cmd = bench.bench_command(bench.parse_args(base), "http://x", tmp_path, "r")
     assert cmd[cmd.index("--num-warmups") + 1] == "12"
     assert cmd[cmd.index("--max-concurrency") + 1] == "12"
+
+
+def test_balanced_routing_reaches_every_server(tmp_path):
+    """--routing balanced: plain and both AFD roles get the benchmark routing strategy (and
+    their GPUs on CUDA); the default leaves the checkpoint's router."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    import serve as bench
+
+    base = ["--model", str(tmp_path)]
+    assert bench.gpu_env(bench.parse_args(base), "0", None) == {}
+    a = bench.parse_args([*base, "--routing", "balanced"])
+    assert bench.gpu_env(a, "0", None) == {bench.ROUTING_ENV: "afd_balanced"}
+    a = bench.parse_args([*base, "--routing", "balanced", "--device", "cuda",
+                          "--connector", "cuda_ipc"])
+    env = bench.gpu_env(a, "1", "0")
+    assert env[bench.ROUTING_ENV] == "afd_balanced" and env["CUDA_VISIBLE_DEVICES"] == "1,0"
+    p = run([*base, "--routing", "skewed"], timeout=60)
+    assert p.returncode == 2 and "--routing" in p.stderr
