@@ -37,7 +37,12 @@ from pathlib import Path
 
 # Ports below the ephemeral range (scripts/serve_util.py says why).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from serve_util import cuda_visible_devices, free_port, shared_gpu_note  # noqa: E402
+from serve_util import (  # noqa: E402
+    cuda_visible_devices,
+    dummy_routing_note,
+    free_port,
+    shared_gpu_note,
+)
 
 ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 BREAKDOWN_DELAY = 3  # profiled run: steps before the profiler starts (prefill included)
@@ -384,9 +389,10 @@ def main() -> int:
           + (f"; AFD cores attention {a.attention_cpus} / FFN {a.ffn_cpus}" if a.ffn_cpus
              else ""),
           flush=True)
-    note = shared_gpu_note(a.device, modes, a.attention_gpu, a.ffn_gpu)
-    if note:
-        print(note, file=sys.stderr, flush=True)
+    for note in (shared_gpu_note(a.device, modes, a.attention_gpu, a.ffn_gpu),
+                 dummy_routing_note(a.load_format, routings)):
+        if note:
+            print(note, file=sys.stderr, flush=True)
     results = []
     if a.log_dir:
         Path(a.log_dir).mkdir(parents=True, exist_ok=True)

@@ -254,9 +254,10 @@ def main(argv: list[str] | None = None) -> int:
           f"of {a.input_len} + {a.output_len} tokens per server, connector {a.connector}, "
           f"routing {a.routing}; "
           f"serve args: {a.serve_args or '-'}", flush=True)
-    note = su.shared_gpu_note(a.device, a.modes, a.attention_gpu, a.ffn_gpu)
-    if note:
-        print(note, file=sys.stderr, flush=True)
+    for note in (su.shared_gpu_note(a.device, a.modes, a.attention_gpu, a.ffn_gpu),
+                 su.dummy_routing_note(a.load_format, [a.routing])):
+        if note:
+            print(note, file=sys.stderr, flush=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="afd-serve-bench-") as tmp:
         work = Path(a.log_dir or tmp)

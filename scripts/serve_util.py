@@ -186,6 +186,19 @@ def shared_gpu_note(device: str, modes: list[str], attention_gpu: str, ffn_gpu: 
             "give the FFN rank its own GPU with --ffn-gpu")
 
 
+def dummy_routing_note(load_format: str, routings: list[str]) -> str | None:
+    """The warning for dummy weights with the checkpoint's MoE router, or None. vLLM's dummy
+    weights make DeepSeek-V2's router logits about 1e-5; its bf16 softmax then gives every
+    expert the same score and the whole batch takes the same top-k experts (measured on an
+    H200 on 2026-12-03: 6 of 64), so the MoE reads a tenth of a trained model's weights."""
+    if load_format != "dummy" or "model" not in routings:
+        return None
+    return ("note: dummy weights with the model's router: a MoE model may route every token "
+            "to the same experts (DeepSeek-V2: 6 of 64), so its MoE reads a fraction of the "
+            "weights a trained model reads (docs/benchmarks.md, \"Dummy weights and MoE "
+            "routing\"); --routing balanced spreads the tokens over all experts")
+
+
 def vllm_python(python: str | None = None) -> str:
     """The interpreter that runs ``vllm``: ``python`` or this one."""
     return python or sys.executable

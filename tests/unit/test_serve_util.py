@@ -82,6 +82,13 @@ def test_shared_gpu_note_only_for_afd_modes_with_both_roles_on_one_gpu():
     assert su.shared_gpu_note("cpu", ["afd"], "0", "0") is None  # CPU: cores, not GPUs
 
 
+def test_dummy_routing_note_only_for_dummy_weights_with_the_model_router():
+    note = su.dummy_routing_note("dummy", ["model", "balanced"])
+    assert note and "--routing balanced" in note and "6 of 64" in note
+    assert su.dummy_routing_note("dummy", ["balanced"]) is None  # spread already
+    assert su.dummy_routing_note("auto", ["model"]) is None  # real (or random) weights
+
+
 def test_failure_excerpt_ends_with_the_first_tracebacks_error(tmp_path):
     log = tmp_path / "ffn.log"
     log.write_text(
