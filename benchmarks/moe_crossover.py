@@ -99,12 +99,14 @@ def roofline(shape: MoEShape, tokens: int, ep: int = 1, dtype_bytes: int = 2,
     shared MLP and the router gate; activations: the layer's input and output and the routed
     experts' intermediate (written and read once)."""
     h, i = shape.hidden, shape.moe_intermediate
+    # This rank is rank 0 of the group (experts 0 .. E/ep-1). It gets an even share of the
+    # experts and of the (token, expert) pairs, except under collapsed routing, whose k
+    # experts (0 .. k-1) are all its own.
+    collapsed = routing == "collapsed"
     if active_experts is None:
-        active_experts = expected_active_experts(tokens, shape.experts, shape.top_k,
-                                                 routing) / ep
-    # routed (token, expert) pairs on this rank: an even share, except that collapsed
-    # routing's k experts are all on rank 0 (the one this models)
-    routed_pairs = tokens * shape.top_k / (1 if routing == "collapsed" else ep)
+        active_experts = expected_active_experts(tokens, shape.experts, shape.top_k, routing)
+        active_experts /= 1 if collapsed else ep
+    routed_pairs = tokens * shape.top_k / (1 if collapsed else ep)
     shared_i = shape.shared * i / ep
     weights = (active_experts * 3 * h * i + 3 * h * shared_i + h * shape.experts) * dtype_bytes
     acts = (2 * tokens * h + routed_pairs * (2 * h + 3 * i)) * dtype_bytes

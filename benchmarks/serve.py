@@ -89,8 +89,9 @@ def server_args(a) -> list[str]:
 
 
 def gpu_env(a, own: str, peer: str | None) -> dict[str, str]:
-    """Environment of one server: its GPUs (CUDA) and the benchmark routing."""
-    env = {ROUTING_ENV: "afd_balanced"} if a.routing == "balanced" else {}
+    """Environment of one server: its GPUs (CUDA) and the benchmark routing (empty: vLLM's
+    own router, also when this process's environment names a strategy)."""
+    env = {ROUTING_ENV: "afd_balanced" if a.routing == "balanced" else ""}
     if a.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = su.cuda_visible_devices(own, peer, a.connector)
     return env

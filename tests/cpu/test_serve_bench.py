@@ -58,12 +58,12 @@ def test_warmups_default_to_the_measured_request_count(tmp_path):
 
 def test_balanced_routing_reaches_every_server(tmp_path):
     """--routing balanced: plain and both AFD roles get the benchmark routing strategy (and
-    their GPUs on CUDA); the default leaves the checkpoint's router."""
+    their GPUs on CUDA); the default clears it, so the checkpoint's router runs."""
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     import serve as bench
 
     base = ["--model", str(tmp_path)]
-    assert bench.gpu_env(bench.parse_args(base), "0", None) == {}
+    assert bench.gpu_env(bench.parse_args(base), "0", None) == {bench.ROUTING_ENV: ""}
     a = bench.parse_args([*base, "--routing", "balanced"])
     assert bench.gpu_env(a, "0", None) == {bench.ROUTING_ENV: "afd_balanced"}
     a = bench.parse_args([*base, "--routing", "balanced", "--device", "cuda",

@@ -102,6 +102,9 @@ def test_routings_touch_the_experts_they_say():
     uni, col = mc.roofline(DSV2, 64), mc.roofline(DSV2, 64, routing="collapsed")
     assert col.weight_bytes < uni.weight_bytes / 8
     assert mc.crossover_tokens(DSV2, routing="collapsed") < mc.crossover_tokens(DSV2) / 4
+    # collapsed routing's k experts are all on rank 0 of an expert-parallel group
+    ep2 = mc.roofline(DSV2, 64, ep=2, routing="collapsed")
+    assert ep2.active_experts == 6 and ep2.flops > col.flops / 2
 
 
 def test_layer_routings_on_cpu():
