@@ -48,6 +48,55 @@ def test_histogram_buckets():
     assert h.counts[-1] == 1  # +Inf
 
 
+def test_record_adds_counters_and_observations_together():
+    st = metrics.AFDStats()
+    st.record({"steps": 1, "bytes_sent": 512}, {"step_ffn_wait_seconds": 0.003})
+    st.record({"steps": 1, "bytes_sent": 512})
+    snap = st.snapshot()
+    assert snap["counters"]["steps"] == 2 and snap["counters"]["bytes_sent"] == 1024
+    wait = snap["histograms"]["step_ffn_wait_seconds"]
+    assert wait["count"] == 1 and wait["sum"] == pytest.approx(0.003)
+
+
+def _torn_snapshots(count_step, seconds: float = 0.5) -> int:
+    """Snapshots (taken from another thread while `count_step` runs in a loop) that show a
+    step counted without its bytes, or the other way round."""
+    import threading
+
+    st = metrics.AFDStats()
+    stop = threading.Event()
+
+    def worker():
+        while not stop.is_set():
+            count_step(st)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    torn = 0
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            c = st.snapshot()["counters"]
+            torn += c["bytes_sent"] != 512 * c["steps"]
+    finally:
+        stop.set()
+        t.join()
+    return torn
+
+
+def test_a_snapshot_never_sees_half_a_recorded_step():
+    """The metrics writer thread snapshots while the hot path records: a step's counters go
+    in under one lock (seen in CI: the FFN's snapshot counted a step without its bytes)."""
+    assert _torn_snapshots(lambda st: st.record({"steps": 1, "bytes_sent": 512})) == 0
+
+    def one_inc_each(st):  # what the AFD hot paths did before record()
+        st.inc("steps")
+        st.inc("bytes_sent", 512)
+
+    # the check above can tell: with one inc() per counter snapshots do fall in between
+    assert _torn_snapshots(one_inc_each) > 0
+
+
 def test_attention_series(mdir):
     st = metrics.AFDStats()
     st.start("attention", 0, lambda: {"ffn_rank_0": True})

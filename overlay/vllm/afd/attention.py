@@ -148,13 +148,11 @@ class AttentionClient:
         return out
 
     def _record_step(self) -> None:
-        stats = metrics.STATS
-        stats.inc("steps")
-        stats.inc("layer_exchanges", len(self.layers))
-        stats.inc("bytes_sent", self._bytes_out)
-        stats.inc("bytes_received", self._bytes_in)
-        stats.observe("step_transfer_seconds", self._transfer)
-        stats.observe("step_ffn_wait_seconds", self._wait)
+        metrics.STATS.record(
+            {"steps": 1, "layer_exchanges": len(self.layers),
+             "bytes_sent": self._bytes_out, "bytes_received": self._bytes_in},
+            {"step_transfer_seconds": self._transfer, "step_ffn_wait_seconds": self._wait},
+        )
 
     def peers(self) -> dict[str, bool]:
         conn = self.connector

@@ -446,18 +446,18 @@ class FFNModelRunner:
         )
 
     def _account(self, ready, compute, transfer, batched: bool = True) -> None:
-        stats = metrics.STATS
         nbytes_in, nbytes_out = self._step_bytes(ready)
         self.steps_served += 1
-        stats.inc("ffn_steps_served")
-        stats.inc("bytes_received", nbytes_in)
-        stats.inc("bytes_sent", nbytes_out)
-        if compute is not None:
-            stats.observe("ffn_step_compute_seconds", compute)
-            stats.observe("ffn_step_transfer_seconds", transfer)
+        counters = {"ffn_steps_served": 1, "bytes_received": nbytes_in,
+                    "bytes_sent": nbytes_out}
         if batched and len(ready) > 1:
             self.batched_steps += 1
-            stats.inc("ffn_batched_steps")
+            counters["ffn_batched_steps"] = 1
+        metrics.STATS.record(
+            counters,
+            None if compute is None else {"ffn_step_compute_seconds": compute,
+                                          "ffn_step_transfer_seconds": transfer},
+        )
 
     def _run_ubatched(self, first) -> None:
         """Serve one micro-batched step of one attention rank: for every layer,

@@ -134,6 +134,17 @@ class AFDStats:
         with self._lock:
             self.histograms[name].observe(seconds)
 
+    def record(self, counters: dict[str, float],
+               observations: dict[str, float] | None = None) -> None:
+        """Add to several counters and histograms at once: a snapshot sees all of one
+        step's figures or none (with one inc() each, the writer thread could snapshot a
+        step counted but its bytes not yet)."""
+        with self._lock:
+            for name, n in counters.items():
+                self.counters[name] += n
+            for name, seconds in (observations or {}).items():
+                self.histograms[name].observe(seconds)
+
     def layer(self, layer_idx: int, seconds: float) -> None:
         with self._lock:
             t = self.layers["ffn_layer_compute_seconds"]
