@@ -741,10 +741,14 @@ def test_sigterm_attention_under_load_drains(deploy):
     attn, ffn = deploy.ensure(secret=secret, attn_extra=DRAIN)
     goodbyes_before = log_text(ffn).count("said goodbye")
 
-    streams = Streams(attn, 8, max_tokens=160)
+    # Long enough that none ends before the last one starts (160 tokens did not, once, on a
+    # fast machine: one stream had all 160 before another had its first); the drain then
+    # takes a few seconds more.
+    streams = Streams(attn, 8, max_tokens=480)
     assert streams.started.wait(120), "not every stream got a token"
     at_term = list(streams.chunks)
-    assert not any(streams.results), "a stream finished before the SIGTERM: make them longer"
+    assert not any(streams.results), (
+        f"a stream finished before the SIGTERM: make them longer ({at_term} chunks)")
     t_term = time.monotonic()
     os.kill(attn.proc.pid, signal.SIGTERM)  # the API server process only
     assert streams.join(DRAIN_S + 5), f"streams hang after SIGTERM: {streams.summary(t_term)}"

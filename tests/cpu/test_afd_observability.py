@@ -106,17 +106,51 @@ def key(name: str, role: str, **labels: str) -> str:
     return f"vllm:afd_{name}{{{inner}}}"
 
 
+STEPS_A = f"vllm:afd_steps_total{{{A}}}"
+SERVED_F = f"vllm:afd_ffn_steps_served_total{{{F}}}"
+
+
+def agreeing_scrapes(attn, ffn, timeout: float, what: str, ready=lambda a, f: True):
+    """Scrapes of both servers whose AFD counters agree: one attention rank, so every
+    attention step is one FFN step and the bytes one side sent are the bytes the other
+    received, warm-up steps included. Each role's snapshot is refreshed every 0.5 s by a
+    thread of its worker, later on a loaded machine (seen in CI: an FFN snapshot one step
+    behind), so scrape until the two agree and `ready(a, f)` holds; a real disagreement
+    outlasts `timeout` and fails with both sides' figures."""
+    deadline = time.monotonic() + timeout
+    while True:
+        a, f = scrape(attn), scrape(ffn)
+        pairs = [(STEPS_A, SERVED_F),
+                 (f"vllm:afd_bytes_sent_total{{{A}}}", f"vllm:afd_bytes_received_total{{{F}}}"),
+                 (f"vllm:afd_bytes_received_total{{{A}}}", f"vllm:afd_bytes_sent_total{{{F}}}")]
+        if all(a.get(x, -1.0) == f.get(y, -2.0) for x, y in pairs) and ready(a, f):
+            return a, f
+        assert time.monotonic() < deadline, (
+            f"{what} not reached within {timeout} s: "
+            + ", ".join(f"{x}={a.get(x)} vs {y}={f.get(y)}" for x, y in pairs))
+        time.sleep(0.25)
+
+
 def test_metrics_series_move_after_requests(pair):
     attn, ffn, _ = pair
-    a0 = scrape(attn)
-    f0 = scrape(ffn)
+    # The baseline: agreeing, and still the same a second later (two refreshes of each
+    # side), so that no warm-up step is left to show up in one side's figures later.
+    a0, f0 = agreeing_scrapes(attn, ffn, 20, "both roles' AFD counters agreeing")
+    for _ in range(10):
+        time.sleep(1.0)
+        a, f = agreeing_scrapes(attn, ffn, 20, "both roles' AFD counters agreeing")
+        settled = a[STEPS_A] == a0[STEPS_A]
+        a0, f0 = a, f
+        if settled:
+            break
+    else:
+        pytest.fail(f"AFD step counters still moving before any request: {a0[STEPS_A]}")
     assert a0[key("peer_up", "attention", peer="ffn_rank_0")] == 1, a0
     assert f0[key("peer_up", "ffn", peer="attention_rank_0")] == 1, f0
-    for k in (f"vllm:afd_steps_total{{{A}}}", f"vllm:afd_step_ffn_wait_seconds_count{{{A}}}",
+    for k in (STEPS_A, f"vllm:afd_step_ffn_wait_seconds_count{{{A}}}",
               f"vllm:afd_handshake_failures_total{{{A}}}"):
         assert k in a0, sorted(a0)
-    for k in (f"vllm:afd_ffn_steps_served_total{{{F}}}",
-              f"vllm:afd_ffn_idle_seconds_total{{{F}}}",
+    for k in (SERVED_F, f"vllm:afd_ffn_idle_seconds_total{{{F}}}",
               f"vllm:afd_ffn_step_compute_seconds_count{{{F}}}"):
         assert k in f0, sorted(f0)
 
@@ -126,18 +160,12 @@ def test_metrics_series_move_after_requests(pair):
                                        ignore_eos=True)
         assert status == 200, body
 
-    # One request after the other: each is one prefill + (n_tokens - 1) decode steps. The
-    # snapshots are refreshed every 0.5 s, so wait until both sides show all of them.
+    # One request after the other: each is one prefill + (n_tokens - 1) decode steps. Wait
+    # until both sides show all of them (and agree: bytes sent == bytes received).
     expected = 2 * n_tokens
-
-    def moved():
-        a1, f1 = scrape(attn), scrape(ffn)
-        steps = a1[f"vllm:afd_steps_total{{{A}}}"] - a0[f"vllm:afd_steps_total{{{A}}}"]
-        served = (f1[f"vllm:afd_ffn_steps_served_total{{{F}}}"]
-                  - f0[f"vllm:afd_ffn_steps_served_total{{{F}}}"])
-        return (a1, f1, steps, served) if steps >= expected and served >= expected else None
-
-    a1, f1, steps, served = wait_for(moved, 10, "AFD step counters to move")
+    a1, f1 = agreeing_scrapes(attn, ffn, 20, "AFD step counters moving",
+                              lambda a, f: a[STEPS_A] - a0[STEPS_A] >= expected)
+    steps, served = a1[STEPS_A] - a0[STEPS_A], f1[SERVED_F] - f0[SERVED_F]
     # one attention rank: every attention step is exactly one FFN step
     assert steps == served == expected, (steps, served)
     layers = (a1[f"vllm:afd_layer_exchanges_total{{{A}}}"]
@@ -148,9 +176,7 @@ def test_metrics_series_move_after_requests(pair):
     assert (a1[f"vllm:afd_step_ffn_wait_seconds_sum{{{A}}}"]
             > a0[f"vllm:afd_step_ffn_wait_seconds_sum{{{A}}}"])
     assert a1[f"vllm:afd_bytes_sent_total{{{A}}}"] > a0[f"vllm:afd_bytes_sent_total{{{A}}}"]
-    # what the attention side sent is what the FFN side received, and back
-    assert a1[f"vllm:afd_bytes_sent_total{{{A}}}"] == f1[f"vllm:afd_bytes_received_total{{{F}}}"]
-    assert a1[f"vllm:afd_bytes_received_total{{{A}}}"] == f1[f"vllm:afd_bytes_sent_total{{{F}}}"]
+    # (what the attention side sent is what the FFN side received, and back: agreeing_scrapes)
     for layer in range(3):
         secs = key("ffn_layer_compute_seconds_total", "ffn", layer=str(layer))
         calls = key("ffn_layer_calls_total", "ffn", layer=str(layer))
