@@ -41,10 +41,10 @@ from serve_util import (  # noqa: E402
     cuda_visible_devices,
     dummy_routing_note,
     free_port,
+    routing_env,
     shared_gpu_note,
 )
 
-ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 BREAKDOWN_DELAY = 3  # profiled run: steps before the profiler starts (prefill included)
 
 
@@ -192,10 +192,7 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
     if a.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if routing == "balanced":
-        env[ROUTING_ENV] = "afd_balanced"
-    else:
-        env.pop(ROUTING_ENV, None)
+    env.update(routing_env(routing))
     tag = f"{mode}_{routing}_b{batch}"
     out = work / f"{tag}.json"
     want_bd = afd and a.breakdown_steps > 0

@@ -45,7 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import serve_util as su  # noqa: E402
 
 MODES = ("plain", "afd", "afd_dbo", "plain_x2")
-ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
 # vllm bench serve's result keys reported here (summed over plain_x2's replicas where
 # marked True, averaged otherwise).
 FIGURES = {
@@ -88,10 +87,9 @@ def server_args(a) -> list[str]:
     return args + shlex.split(a.serve_args or "")
 
 
-def gpu_env(a, own: str, peer: str | None) -> dict[str, str]:
-    """Environment of one server: its GPUs (CUDA) and the benchmark routing (empty: vLLM's
-    own router, also when this process's environment names a strategy)."""
-    env = {ROUTING_ENV: "afd_balanced" if a.routing == "balanced" else ""}
+def server_env(a, own: str, peer: str | None) -> dict[str, str]:
+    """Environment of one server: the benchmark routing and its GPUs (CUDA)."""
+    env = su.routing_env(a.routing)
     if a.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = su.cuda_visible_devices(own, peer, a.connector)
     return env
@@ -113,22 +111,22 @@ def servers_for(a, mode: str, work: Path) -> list[su.Server]:
     servers: list[su.Server] = []
     try:
         if mode == "plain":
-            servers.append(start(a, "plain", work, env=gpu_env(a, a.attention_gpu, None)))
+            servers.append(start(a, "plain", work, env=server_env(a, a.attention_gpu, None)))
         elif mode == "plain_x2":
             for i, gpu in enumerate((a.attention_gpu, a.ffn_gpu)):
-                servers.append(start(a, f"plain_x2_{i}", work, env=gpu_env(a, gpu, None)))
+                servers.append(start(a, f"plain_x2_{i}", work, env=server_env(a, gpu, None)))
         else:
             cfg = dict(port=su.free_port(), connector=a.connector, timeout_s=a.afd_timeout)
             if a.connector_extra:
                 cfg["connector_extra_config"] = json.loads(a.connector_extra)
             ffn = start(a, f"{mode}_ffn", work, afd=su.afd_config("ffn", **cfg),
-                        env=gpu_env(a, a.ffn_gpu, a.attention_gpu))
+                        env=server_env(a, a.ffn_gpu, a.attention_gpu))
             servers.append(ffn)
             extra = shlex.split(a.attention_args or "")
             if mode == "afd_dbo":
                 extra.append("--enable-dbo")
             attn = start(a, f"{mode}_attention", work, afd=su.afd_config("attention", **cfg),
-                         env=gpu_env(a, a.attention_gpu, a.ffn_gpu), extra=extra)
+                         env=server_env(a, a.attention_gpu, a.ffn_gpu), extra=extra)
             servers.insert(0, attn)
         took = su.wait_all_healthy(servers, timeout=a.start_timeout)
         print("  healthy after " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()),

@@ -186,6 +186,18 @@ def shared_gpu_note(device: str, modes: list[str], attention_gpu: str, ffn_gpu: 
             "give the FFN rank its own GPU with --ffn-gpu")
 
 
+ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
+
+
+def routing_env(routing: str) -> dict[str, str]:
+    """The environment of an engine for a benchmark's MoE routing: ``balanced`` the project's
+    ``afd_balanced`` strategy (vllm/afd/routing.py), ``model`` the checkpoint's router (an
+    empty strategy, which also overrides one this process inherited)."""
+    if routing not in ("model", "balanced"):
+        raise ValueError(f"unknown routing {routing!r}: 'model' or 'balanced'")
+    return {ROUTING_ENV: "afd_balanced" if routing == "balanced" else ""}
+
+
 def dummy_routing_note(load_format: str, routings: list[str]) -> str | None:
     """The warning for dummy weights with the checkpoint's MoE router, or None. vLLM's dummy
     weights make DeepSeek-V2's router logits about 1e-5; its bf16 softmax then gives every

@@ -108,6 +108,10 @@ def key(name: str, role: str, **labels: str) -> str:
 
 STEPS_A = f"vllm:afd_steps_total{{{A}}}"
 SERVED_F = f"vllm:afd_ffn_steps_served_total{{{F}}}"
+# (attention series, FFN series) that must be equal: steps, and the bytes each way
+AGREEING = ((STEPS_A, SERVED_F),
+            (f"vllm:afd_bytes_sent_total{{{A}}}", f"vllm:afd_bytes_received_total{{{F}}}"),
+            (f"vllm:afd_bytes_received_total{{{A}}}", f"vllm:afd_bytes_sent_total{{{F}}}"))
 
 
 def agreeing_scrapes(attn, ffn, timeout: float, what: str, ready=lambda a, f: True):
@@ -120,14 +124,11 @@ def agreeing_scrapes(attn, ffn, timeout: float, what: str, ready=lambda a, f: Tr
     deadline = time.monotonic() + timeout
     while True:
         a, f = scrape(attn), scrape(ffn)
-        pairs = [(STEPS_A, SERVED_F),
-                 (f"vllm:afd_bytes_sent_total{{{A}}}", f"vllm:afd_bytes_received_total{{{F}}}"),
-                 (f"vllm:afd_bytes_received_total{{{A}}}", f"vllm:afd_bytes_sent_total{{{F}}}")]
-        if all(a.get(x, -1.0) == f.get(y, -2.0) for x, y in pairs) and ready(a, f):
+        if all(a.get(x, -1.0) == f.get(y, -2.0) for x, y in AGREEING) and ready(a, f):
             return a, f
         assert time.monotonic() < deadline, (
             f"{what} not reached within {timeout} s: "
-            + ", ".join(f"{x}={a.get(x)} vs {y}={f.get(y)}" for x, y in pairs))
+            + ", ".join(f"{x}={a.get(x)} vs {y}={f.get(y)}" for x, y in AGREEING))
         time.sleep(0.25)
 
 

@@ -62,13 +62,15 @@ def test_balanced_routing_reaches_every_server(tmp_path):
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     import serve as bench
 
+    import serve_util as su
+
     base = ["--model", str(tmp_path)]
-    assert bench.gpu_env(bench.parse_args(base), "0", None) == {bench.ROUTING_ENV: ""}
+    assert bench.server_env(bench.parse_args(base), "0", None) == {su.ROUTING_ENV: ""}
     a = bench.parse_args([*base, "--routing", "balanced"])
-    assert bench.gpu_env(a, "0", None) == {bench.ROUTING_ENV: "afd_balanced"}
+    assert bench.server_env(a, "0", None) == {su.ROUTING_ENV: "afd_balanced"}
     a = bench.parse_args([*base, "--routing", "balanced", "--device", "cuda",
                           "--connector", "cuda_ipc"])
-    env = bench.gpu_env(a, "1", "0")
-    assert env[bench.ROUTING_ENV] == "afd_balanced" and env["CUDA_VISIBLE_DEVICES"] == "1,0"
+    env = bench.server_env(a, "1", "0")
+    assert env[su.ROUTING_ENV] == "afd_balanced" and env["CUDA_VISIBLE_DEVICES"] == "1,0"
     p = run([*base, "--routing", "skewed"], timeout=60)
     assert p.returncode == 2 and "--routing" in p.stderr

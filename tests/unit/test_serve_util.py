@@ -82,6 +82,13 @@ def test_shared_gpu_note_only_for_afd_modes_with_both_roles_on_one_gpu():
     assert su.shared_gpu_note("cpu", ["afd"], "0", "0") is None  # CPU: cores, not GPUs
 
 
+def test_routing_env_sets_or_clears_the_strategy():
+    assert su.routing_env("balanced") == {su.ROUTING_ENV: "afd_balanced"}
+    assert su.routing_env("model") == {su.ROUTING_ENV: ""}  # overrides an inherited one
+    with pytest.raises(ValueError, match="unknown routing"):
+        su.routing_env("both")
+
+
 def test_dummy_routing_note_only_for_dummy_weights_with_the_model_router():
     note = su.dummy_routing_note("dummy", ["model", "balanced"])
     assert note and "--routing balanced" in note and "6 of 64" in note
