@@ -196,10 +196,12 @@ class Layer:
         logits = torch.nn.functional.linear(x, self.gate)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, ids = torch.topk(probs, self.shape.top_k, dim=-1)
-        if self.routing != "uniform":
-            k, e = self.shape.top_k, self.shape.experts
-            slots = torch.arange(x.shape[0] * k, device=x.device).view(-1, k)
-            ids = slots % e if self.routing == "balanced" else slots % k
+        k, n = self.shape.top_k, x.shape[0]
+        if self.routing == "balanced":  # the benchmarks' strategy itself (seed 0, its default)
+            from vllm.afd.routing import balanced_topk
+            _, ids = balanced_topk(n, self.shape.experts, k, 0, x.device)
+        elif self.routing == "collapsed":
+            ids = torch.arange(k, device=x.device).repeat(n, 1)
         return w, ids.to(torch.int32)
 
     def shared_mlp(self, x):
