@@ -37,6 +37,8 @@ from pathlib import Path
 
 # Ports below the ephemeral range (scripts/serve_util.py says why).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import mps  # noqa: E402  (benchmarks/mps.py)
+
 from serve_util import (  # noqa: E402
     cuda_visible_devices,
     dummy_routing_note,
@@ -49,6 +51,25 @@ BREAKDOWN_DELAY = 3  # profiled run: steps before the profiler starts (prefill i
 
 
 CPUS_ENV = "AFD_BENCH_CPUS"
+# M engines at once (M attention ranks of one FFN rank, or M plain replicas): every timed
+# generate() starts when all M have reached it, so that the timed windows overlap.
+SYNC_DIR_ENV, SYNC_N_ENV, SYNC_RANK_ENV = "AFD_BENCH_SYNC_DIR", "AFD_BENCH_SYNC_N", "AFD_BENCH_RANK"
+
+
+def barrier(phase: str, timeout: float = 600.0) -> None:
+    """Wait until the M engines of this measurement have all reached ``phase`` (no-op for
+    one engine). Files in a directory the driver made: ``<phase>.<rank>``."""
+    sync = os.environ.get(SYNC_DIR_ENV)
+    if not sync:
+        return
+    n, rank = int(os.environ[SYNC_N_ENV]), os.environ[SYNC_RANK_ENV]
+    Path(sync, f"{phase}.{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(Path(sync).glob(f"{phase}.*"))) < n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"barrier {phase!r}: the other engines did not arrive within "
+                             f"{timeout:g} s")
+        time.sleep(0.005)
 
 
 def parse_cpus(spec: str) -> list[int]:
@@ -97,6 +118,8 @@ def engine_kwargs(a) -> dict:
         kw["kv_cache_memory_bytes"] = a.kv_cache_memory_bytes
     if a.afd:
         kw["afd_config"] = json.loads(a.afd)
+        if a.attention_rank is not None:
+            kw["afd_config"]["rank"] = a.attention_rank
     if a.compilation_config:
         kw["compilation_config"] = json.loads(a.compilation_config)
     if a.profile_dir:
@@ -132,8 +155,11 @@ def run_generate(a) -> int:
                                               for _ in range(a.input_len)])
                for _ in range(a.batch)]
 
+    phases = iter(range(1_000_000))
+
     def timed(n: int) -> float:
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        barrier(f"run{next(phases)}")
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -187,65 +213,25 @@ def tail(path: Path, n: int = 30) -> str:
 
 
 def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch: int) -> dict:
+    """One configuration: plain (``--engines`` replicas at once) or AFD (one FFN rank serving
+    ``--engines`` attention ranks). Per engine its TPOT; the result adds them up."""
     afd = mode != "plain"
     env = dict(os.environ)
     if a.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.update(routing_env(routing))
-    tag = f"{mode}_{routing}_b{batch}"
-    out = work / f"{tag}.json"
+    tag = f"{mode}_{routing}_b{batch}" + (f"_m{a.engines}" if a.engines > 1 else "")
     want_bd = afd and a.breakdown_steps > 0
     ffn = None
-    args = [*base_args, "--out", str(out)]
+    args = list(base_args)
     try:
         if afd:
-            port = free_port()
-            cfg = {"connector": a.connector, "host": "127.0.0.1", "port": port,
-                   "timeout_s": 300}
-            if a.connector_extra:
-                cfg["connector_extra_config"] = json.loads(a.connector_extra)
-            ffn_env = dict(env)
-            # run_ffn reads the FFN runner of its own process (ffn_runner.ACTIVE): the
-            # engine core must run in-process (on the CPU it does anyway).
-            ffn_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            if a.device == "cpu" and a.ffn_cpus:
-                # The whole child process (every thread, the FFN serve thread's OpenMP
-                # team included) on these cores; see pin_to_cpus.
-                ffn_env[CPUS_ENV] = a.ffn_cpus
-                env[CPUS_ENV] = a.attention_cpus
-            if a.device == "cuda":
-                att, ffn_gpu = a.attention_gpu, a.ffn_gpu
-                ffn_env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(ffn_gpu, att, a.connector)
-                env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(att, ffn_gpu, a.connector)
-            ffn_args = [*base_args, "--afd", json.dumps({"role": "ffn", **cfg})]
-            if want_bd:
-                traces = Path(a.trace_dir) if a.trace_dir else work
-                ffn_args += ["--profile-dir", str(traces / f"{tag}_trace_ffn"),
-                             "--breakdown", str(a.breakdown_steps)]
-                args += ["--profile-dir", str(traces / f"{tag}_trace_attention"),
-                         "--breakdown", str(a.breakdown_steps)]
-            ffn = child(a, "ffn", ffn_args, ffn_env, work / f"{tag}_ffn.log")
-            args += ["--afd", json.dumps({"role": "attention", **cfg})]
-            if mode == "afd_dbo":
-                args.append("--enable-dbo")
-            if want_bd:
-                # vLLM's own step spans ("gpu_model_runner: forward") delimit the steps.
-                env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
+            ffn, args = start_ffn(a, args, env, mode, tag, work, want_bd)
         elif a.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = a.attention_gpu
-        gen = child(a, "generate", args, env, work / f"{tag}.log")
-        try:
-            rc = gen.wait(a.timeout)
-        except subprocess.TimeoutExpired:
-            gen.kill()
-            raise SystemExit(f"{tag}: no result within {a.timeout} s\n"
-                             + tail(work / f"{tag}.log")) from None
-        if rc != 0:
-            extra = f"\n--- FFN ---\n{tail(work / f'{tag}_ffn.log')}" if afd else ""
-            raise SystemExit(f"{tag}: generation failed (rc={rc})\n"
-                             + tail(work / f"{tag}.log") + extra)
-        result = json.loads(out.read_text())
+        per_engine = run_engines(a, args, env, tag, work, afd)
+        result = combine(per_engine, batch)
         if want_bd:
             try:
                 result["breakdown"] = run_breakdown(
@@ -262,6 +248,94 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
                 ffn.wait(30)
             except subprocess.TimeoutExpired:
                 ffn.kill()
+
+
+def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,
+              want_bd: bool) -> tuple[subprocess.Popen, list[str]]:
+    """Start the FFN rank; ``env`` becomes the attention ranks' environment and the
+    returned arguments theirs (``--afd`` without the rank, added per engine)."""
+    port = free_port()
+    cfg = {"connector": a.connector, "host": "127.0.0.1", "port": port, "timeout_s": 300,
+           "num_attention_ranks": a.engines, "num_ffn_ranks": 1}
+    if a.connector_extra:
+        cfg["connector_extra_config"] = json.loads(a.connector_extra)
+    ffn_env = dict(env)
+    # run_ffn reads the FFN runner of its own process (ffn_runner.ACTIVE): the
+    # engine core must run in-process (on the CPU it does anyway).
+    ffn_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if a.device == "cpu" and a.ffn_cpus:
+        # The whole child process (every thread, the FFN serve thread's OpenMP
+        # team included) on these cores; see pin_to_cpus.
+        ffn_env[CPUS_ENV] = a.ffn_cpus
+        env[CPUS_ENV] = a.attention_cpus
+    if a.device == "cuda":
+        att, ffn_gpu = a.attention_gpu, a.ffn_gpu
+        ffn_env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(ffn_gpu, att, a.connector)
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(att, ffn_gpu, a.connector)
+    ffn_args = [*args, "--afd", json.dumps({"role": "ffn", **cfg})]
+    args = [*args, "--afd", json.dumps({"role": "attention", **cfg})]
+    if want_bd:
+        traces = Path(a.trace_dir) if a.trace_dir else work
+        ffn_args += ["--profile-dir", str(traces / f"{tag}_trace_ffn"),
+                     "--breakdown", str(a.breakdown_steps)]
+        args += ["--profile-dir", str(traces / f"{tag}_trace_attention"),
+                 "--breakdown", str(a.breakdown_steps)]
+        # vLLM's own step spans ("gpu_model_runner: forward") delimit the steps.
+        env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
+    if mode == "afd_dbo":
+        args.append("--enable-dbo")
+    return child(a, "ffn", ffn_args, ffn_env, work / f"{tag}_ffn.log"), args
+
+
+def run_engines(a, args: list[str], env: dict, tag: str, work: Path, afd: bool) -> list[dict]:
+    """``--engines`` generate children at once (attention ranks 0..M-1 with AFD), their
+    timed runs aligned by ``barrier``; each one's figures."""
+    sync = Path(tempfile.mkdtemp(prefix="sync-", dir=work)) if a.engines > 1 else None
+    procs = []
+    for i in range(a.engines):
+        name = tag if a.engines == 1 else f"{tag}_e{i}"
+        e_args = [*args, "--out", str(work / f"{name}.json")]
+        e_env = dict(env)
+        if afd:
+            e_args += ["--attention-rank", str(i)]
+        if sync is not None:
+            e_env.update({SYNC_DIR_ENV: str(sync), SYNC_N_ENV: str(a.engines),
+                          SYNC_RANK_ENV: str(i)})
+        procs.append((name, child(a, "generate", e_args, e_env, work / f"{name}.log")))
+    deadline = time.monotonic() + a.timeout
+    try:
+        for name, proc in procs:
+            try:
+                rc = proc.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"{name}: no result within {a.timeout} s\n"
+                                 + tail(work / f"{name}.log")) from None
+            if rc != 0:
+                extra = f"\n--- FFN ---\n{tail(work / f'{tag}_ffn.log')}" if afd else ""
+                raise SystemExit(f"{name}: generation failed (rc={rc})\n"
+                                 + tail(work / f"{name}.log") + extra)
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [json.loads((work / f"{name}.json").read_text()) for name, _ in procs]
+
+
+def combine(per_engine: list[dict], batch: int) -> dict:
+    """One engine: its figures. Several: decode throughput is the sum of theirs, TPOT and
+    prefill the mean (``engines`` keeps each one's)."""
+    if len(per_engine) == 1:
+        return dict(per_engine[0])
+    n = len(per_engine)
+    return {"tpot_s": sum(r["tpot_s"] for r in per_engine) / n,
+            "prefill_s": sum(r["prefill_s"] for r in per_engine) / n,
+            "full_s": sum(r["full_s"] for r in per_engine) / n,
+            "decode_tok_s": sum(batch / r["tpot_s"] for r in per_engine),
+            "engines": per_engine}
+
+
+def decode_tok_s(r: dict, batch: int) -> float:
+    return r.get("decode_tok_s", batch / r["tpot_s"])
 
 
 class BreakdownError(RuntimeError):
@@ -322,6 +396,14 @@ def main() -> int:
                    "profiling would count against it)")
     p.add_argument("--log-dir", help="keep the engines' logs (and traces) here instead of a "
                    "temporary directory")
+    p.add_argument("--engines", type=int, default=1, metavar="M",
+                   help="M engines at once: AFD modes run M attention ranks against one FFN "
+                   "rank (MA1F), plain runs M replicas; same --batch per engine, decode "
+                   "throughput added up")
+    p.add_argument("--mps", action="store_true",
+                   help="CUDA: run every engine under the CUDA MPS control daemon (started "
+                   "and stopped here; benchmarks/mps.py), so that the processes sharing a "
+                   "GPU run at once instead of time-slicing it")
     p.add_argument("--attention-gpu", default="0")
     p.add_argument("--ffn-gpu", default="1", help="GPU of the FFN rank ('0' to share one)")
     p.add_argument("--attention-cpus", help="CPU: cores of the AFD attention rank's process, "
@@ -338,6 +420,7 @@ def main() -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--afd", help=argparse.SUPPRESS)
     p.add_argument("--profile-dir", help=argparse.SUPPRESS)
+    p.add_argument("--attention-rank", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.output_len < 2:
         p.error("--output-len must be at least 2")
@@ -358,6 +441,12 @@ def main() -> int:
             except ValueError as e:
                 p.error(str(e))
 
+    if a.engines < 1:
+        p.error("--engines must be at least 1")
+    if a.mps and a.device != "cuda":
+        p.error("--mps needs --device cuda")
+    if a.engines > 1 and a.breakdown_steps:
+        p.error("--breakdown reads one attention rank's trace: use it with --engines 1")
     batches = [int(b) for b in a.batches.split(",")] if a.batches else [a.batch]
     if any(b < 1 for b in batches):
         p.error("batch sizes must be positive")
@@ -384,9 +473,12 @@ def main() -> int:
           f"input {a.input_len}, output {a.output_len}; connector {a.connector}; "
           f"compilation {a.compilation_config or ('compile' if a.compile else 'eager')}"
           + (f"; AFD cores attention {a.attention_cpus} / FFN {a.ffn_cpus}" if a.ffn_cpus
-             else ""),
-          flush=True)
-    for note in (shared_gpu_note(a.device, modes, a.attention_gpu, a.ffn_gpu),
+             else "")
+          + (f"; {a.engines} engines at once (AFD {a.engines}A1F, plain x{a.engines})"
+             if a.engines > 1 else "")
+          + (f"; GPU sharing: {'MPS' if a.mps else 'time-sliced (no MPS)'}"
+             if a.device == "cuda" else ""), flush=True)
+    for note in (shared_gpu_note(a.device, modes, a.attention_gpu, a.ffn_gpu, a.mps),
                  dummy_routing_note(a.load_format, routings)):
         if note:
             print(note, file=sys.stderr, flush=True)
@@ -396,7 +488,8 @@ def main() -> int:
         workdir = contextlib.nullcontext(a.log_dir)
     else:
         workdir = tempfile.TemporaryDirectory(prefix="afd-decode-")
-    with workdir as tmp:
+    with workdir as tmp, mps.daemon(a.mps) as mps_env:
+        os.environ.update(mps_env)  # every engine this run starts inherits it
         for batch in batches:
             base = [*common, "--batch", str(batch)]
             for routing in routings:
@@ -407,19 +500,21 @@ def main() -> int:
                              wall_s=time.perf_counter() - t0)
                     results.append(r)
                     print(f"  batch {batch:4d} {mode:7s} routing={routing:8s} "
-                          f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  decode {batch / r['tpot_s']:9.1f} "
+                          f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  decode {decode_tok_s(r, batch):9.1f} "
                           f"tok/s  prefill {r['prefill_s']:.3f} s  ({r['wall_s']:.0f} s)",
                           flush=True)
-    print("\nbatch routing   mode      TPOT ms     tok/s   vs plain (TPOT ratio)")
+    print(f"\nbatch routing   mode      TPOT ms     tok/s   vs plain (throughput ratio)"
+          f"   [{a.engines} engine(s) per mode" + (f", {'MPS' if a.mps else 'no MPS'}]"
+                                                   if a.device == "cuda" else "]"))
     for batch in batches:
         for routing in routings:
             by = {r["mode"]: r for r in results
                   if r["routing"] == routing and r["batch"] == batch}
-            pl = by["plain"]["tpot_s"] if "plain" in by else None
+            pl = decode_tok_s(by["plain"], batch) if "plain" in by else None
             for mode in modes:
-                t = by[mode]["tpot_s"]
-                ratio = f"{t / pl:6.2f}x" if pl else "-"
-                print(f"{batch:5d} {routing:9s} {mode:8s} {t * 1e3:8.2f} {batch / t:9.1f}   "
+                t, tps = by[mode]["tpot_s"], decode_tok_s(by[mode], batch)
+                ratio = f"{tps / pl:6.2f}x" if pl else "-"
+                print(f"{batch:5d} {routing:9s} {mode:8s} {t * 1e3:8.2f} {tps:9.1f}   "
                       f"{ratio}")
     with_bd = [r for r in results if "breakdown" in r]
     if with_bd:
@@ -433,7 +528,8 @@ def main() -> int:
                   f"{c['transfer']:8.1f}  bound {c['bound']:9.1f}  step {c['step']:9.1f}  "
                   f"gap {c['gap %']:5.1f}%  ({layers:g} exchanges/step)")
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+        Path(a.json).write_text(json.dumps({"args": vars(a), "mps": a.mps,
+                                            "engines": a.engines, "results": results}, indent=1))
     failed = [r for r in results if "breakdown_error" in r]
     for r in failed:
         print(f"breakdown failed: batch {r['batch']} {r['mode']}: {r['breakdown_error']}",

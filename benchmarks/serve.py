@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -42,6 +43,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import mps  # noqa: E402  (benchmarks/mps.py)
+
 import serve_util as su  # noqa: E402
 
 MODES = ("plain", "afd", "afd_dbo", "plain_x2")
@@ -225,15 +228,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--timeout", type=float, default=900.0, help="per bench client")
     p.add_argument("--log-dir", help="keep servers' and clients' logs here")
+    p.add_argument("--mps", action="store_true",
+                   help="CUDA: run every server under the CUDA MPS control daemon (started "
+                   "and stopped here; benchmarks/mps.py): processes sharing a GPU run at once")
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
+    if a.mps and a.device != "cuda":
+        p.error("--mps needs --device cuda")
     modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         p.error(f"--modes: unknown {bad} (choose from {', '.join(MODES)})")
-    if "plain_x2" in modes and (a.device != "cuda" or a.attention_gpu == a.ffn_gpu):
+    if "plain_x2" in modes and (a.device != "cuda" or (a.attention_gpu == a.ffn_gpu
+                                                       and not a.mps)):
         p.error("--modes plain_x2 needs two GPUs (--device cuda, --attention-gpu and "
-                "--ffn-gpu different): two replicas on one device measure nothing useful")
+                "--ffn-gpu different) or --mps: two time-sliced replicas on one device "
+                "measure nothing useful")
     if a.num_prompts < 1 or a.input_len < 1 or a.output_len < 2:
         p.error("--num-prompts and --input-len must be at least 1, --output-len at least 2")
     if not Path(a.model).is_dir():
@@ -251,14 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     su.install_cleanup()
     print(f"model {a.model} ({a.load_format}), device {a.device}, {a.num_prompts} requests "
           f"of {a.input_len} + {a.output_len} tokens per server, connector {a.connector}, "
-          f"routing {a.routing}; "
+          f"routing {a.routing}; GPU sharing: {'MPS' if a.mps else 'time-sliced (no MPS)'}; "
           f"serve args: {a.serve_args or '-'}", flush=True)
-    for note in (su.shared_gpu_note(a.device, a.modes, a.attention_gpu, a.ffn_gpu),
+    for note in (su.shared_gpu_note(a.device, a.modes, a.attention_gpu, a.ffn_gpu, a.mps),
                  su.dummy_routing_note(a.load_format, [a.routing])):
         if note:
             print(note, file=sys.stderr, flush=True)
     results = []
-    with tempfile.TemporaryDirectory(prefix="afd-serve-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="afd-serve-bench-") as tmp, \
+            mps.daemon(a.mps) as mps_env:
+        os.environ.update(mps_env)  # every server this run starts inherits it
         work = Path(a.log_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         for mode in a.modes:
@@ -288,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_json(a, results: list[dict]) -> None:
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+        Path(a.json).write_text(json.dumps({"args": vars(a), "mps": a.mps,
+                                            "results": results}, indent=1))
 
 
 if __name__ == "__main__":

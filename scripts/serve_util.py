@@ -173,17 +173,24 @@ def cuda_visible_devices(own: str, peer: str | None = None, connector: str = "")
     return own
 
 
-def shared_gpu_note(device: str, modes: list[str], attention_gpu: str, ffn_gpu: str) -> str | None:
-    """The warning for AFD modes whose two roles share one GPU, or None. Two processes on one
-    GPU time-slice it (without MPS one context runs at a time), and a role waiting for its
-    peer holds its slice: measured on one H200 (2026-12-02), 2.2 ms per hand-over, AFD at
-    0.04x plain - a functional check, not a figure of AFD."""
+def shared_gpu_note(device: str, modes: list[str], attention_gpu: str, ffn_gpu: str,
+                    mps: bool = False) -> str | None:
+    """The note for AFD modes whose two roles share one GPU, or None; it says which of the
+    two ways the GPU is shared. Without MPS two processes on one GPU time-slice it (one
+    context runs at a time) and a role waiting for its peer holds its slice: measured on one
+    H200 (2026-12-02), 2.2 ms per hand-over, AFD at 0.04x plain - a functional check, not a
+    figure of AFD. Under CUDA MPS (``--mps``) both roles' kernels run at once and share the
+    GPU's SMs and memory bandwidth."""
     if device != "cuda" or attention_gpu != ffn_gpu or not any(m.startswith("afd") for m in modes):
         return None
-    return (f"note: both AFD roles on GPU {attention_gpu}: the two processes time-slice it and "
-            "every layer's hand-over waits for a time slice, so the AFD figures measure the "
-            "sharing, not AFD (docs/benchmarks.md, \"One H200, both roles on GPU 0\"); "
-            "give the FFN rank its own GPU with --ffn-gpu")
+    if mps:
+        return (f"note: both AFD roles on GPU {attention_gpu} under CUDA MPS: their kernels run "
+                "at once and share the GPU's SMs and memory bandwidth, so the figures show "
+                "AFD's overheads against plain vLLM on the same GPU, not a two-GPU deployment")
+    return (f"note: both AFD roles on GPU {attention_gpu} without MPS: the two processes "
+            "time-slice it and every layer's hand-over waits for a time slice, so the AFD "
+            "figures measure the sharing, not AFD (docs/benchmarks.md, \"One H200, both roles "
+            "on GPU 0\"); use --mps, or give the FFN rank its own GPU with --ffn-gpu")
 
 
 ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"

@@ -28,12 +28,24 @@ rm -rf /tmp/afd-gpu-pt
 # this run's log files.
 LOG=${LOG:-gpu_tests}
 rc=0
+# MPS=1: CUDA MPS (benchmarks/mps.py) - the GPU tests run under a control daemon started and
+# stopped around them, and the benchmarks get --mps (they start and stop their own).
+MPS=${MPS:-0}
+if [ "$MPS" = 1 ]; then
+  BENCH_ARGS=${BENCH_ARGS:+$BENCH_ARGS --mps}
+  SERVE_ARGS=${SERVE_ARGS:+$SERVE_ARGS --mps}
+fi
 if [ "${GPU_TESTS:-}" != "none" ]; then
+  if [ "$MPS" = 1 ]; then
+    eval "$(python3 benchmarks/mps.py start)" || exit 1
+    echo "GPU tests under CUDA MPS ($CUDA_MPS_PIPE_DIRECTORY)"
+  fi
   # shellcheck disable=SC2086
   AFD_MODELS_DIR=$PWD/build/models timeout "${GPU_TEST_TIMEOUT:-480}" \
     python3 -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -v -s -p no:cacheprovider \
     --basetemp=/tmp/afd-gpu-pt-$LOG > "$OUT/$LOG.log" 2>&1
   rc=$?
+  [ "$MPS" = 1 ] && { python3 benchmarks/mps.py stop; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
   grep -E "^ORACLE|PASSED|FAILED|ERROR|passed|failed" "$OUT/$LOG.log" | tail -40
   tar czf "$OUT/$LOG-engine-logs.tgz" -C /tmp "afd-gpu-pt-$LOG" 2>/dev/null
 fi

@@ -80,6 +80,9 @@ def test_shared_gpu_note_only_for_afd_modes_with_both_roles_on_one_gpu():
     assert su.shared_gpu_note("cuda", ["plain", "afd"], "0", "1") is None  # own GPUs
     assert su.shared_gpu_note("cuda", ["plain"], "0", "0") is None  # no AFD run
     assert su.shared_gpu_note("cpu", ["afd"], "0", "0") is None  # CPU: cores, not GPUs
+    assert "without MPS" in note and "time-slice" in note
+    shared = su.shared_gpu_note("cuda", ["afd"], "0", "0", mps=True)
+    assert "under CUDA MPS" in shared and "time-slice" not in shared
 
 
 def test_routing_env_sets_or_clears_the_strategy():
