@@ -21,6 +21,7 @@ hand-over (vLLM's ``UBatchContext`` with the stream work left out).
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -100,6 +101,93 @@ def replaces_all2all(vllm_config: Any) -> bool:
     return enabled(vllm_config)
 
 
+# ----------------------------------------------------- when splitting pays
+# FLOP per byte of weights read at which the FFN rank's expert (or MLP) kernels stop
+# being bound by reading the weights, on CUDA. Measured on one H200 for the
+# DeepSeek-V2-Lite MoE layer (benchmarks/moe_crossover.py, docs/benchmarks.md): the
+# layer's time stays flat up to about 1,024 tokens (64 experts, top-6), i.e. about
+# 96 tokens per expert with bf16 weights (2 FLOP per weight and token, 2 bytes).
+CUDA_FLOPS_PER_BYTE = 100.0
+
+# Steps of fewer tokens run whole (set by configure() when the attention role starts).
+_min_tokens = 0
+
+
+def moe_shape(hf_config: Any) -> tuple[int, int]:
+    """(routed experts, experts per token) of a model config; (1, 1) for a dense MLP."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    experts = next(
+        (
+            getattr(text, k)
+            for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+            if getattr(text, k, None)
+        ),
+        0,
+    )
+    top_k = next(
+        (
+            getattr(text, k)
+            for k in ("num_experts_per_tok", "moe_topk", "top_k")
+            if getattr(text, k, None)
+        ),
+        0,
+    )
+    if not experts or not top_k:
+        return 1, 1
+    return int(experts), int(top_k)
+
+
+def break_even_tokens(
+    num_experts: int, top_k: int, weight_bytes: int, flops_per_byte: float
+) -> int:
+    """Smallest step worth splitting into two micro-batches, from the bytes the FFN
+    rank reads. While a layer's expert kernels are bound by reading the weights,
+    their time does not depend on the token count, and each micro-batch reads
+    every active expert again: two micro-batches cost twice the weight reads of
+    the whole step, more than overlapping attention with the FFN can win back.
+    Splitting pays only once half the step makes the experts compute-bound: each
+    expert then gets ``T/2 * top_k / num_experts`` tokens, doing 2 FLOP per weight
+    and token over ``weight_bytes`` per weight, at least ``flops_per_byte``."""
+    per_expert = flops_per_byte * weight_bytes / 2.0  # tokens per expert at the knee
+    knee = math.ceil(per_expert * num_experts / top_k)
+    return 2 * knee
+
+
+def configure(vllm_config: Any) -> int:
+    """Set (and log) the smallest step split into micro-batches, for this attention
+    role; returns it. ``dbo_min_tokens`` of the AFD config, "auto" by default: on
+    CUDA the break-even of :func:`break_even_tokens`, on the CPU 0."""
+    global _min_tokens
+    if not enabled(vllm_config):
+        _min_tokens = 0
+        return 0
+    cfg = vllm_config.afd_config
+    device = getattr(vllm_config.device_config, "device_type", "cpu")
+    if cfg.dbo_min_tokens != "auto":
+        _min_tokens, why = int(cfg.dbo_min_tokens), "dbo_min_tokens of the AFD config"
+    elif device != "cuda":
+        _min_tokens, why = 0, "auto on the CPU: vLLM's DBO thresholds alone"
+    else:
+        experts, top_k = moe_shape(vllm_config.model_config.hf_config)
+        weight_bytes = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+        _min_tokens = break_even_tokens(experts, top_k, weight_bytes, CUDA_FLOPS_PER_BYTE)
+        why = (
+            f"auto: FFN weights stop bounding a micro-batch at {_min_tokens // 2} tokens "
+            f"({experts} experts, top-{top_k}, {weight_bytes}-byte weights, "
+            f"{CUDA_FLOPS_PER_BYTE:g} FLOP/byte)"
+        )
+    logger.info(
+        "AFD attention role: DBO splits steps of at least %d tokens (%s); smaller steps run whole",
+        _min_tokens,
+        why,
+    )
+    return _min_tokens
+
+
+def min_ubatch_tokens() -> int:
+    return _min_tokens
+
+
 def should_ubatch(
     parallel_config: Any,
     num_tokens: int,
@@ -111,11 +199,12 @@ def should_ubatch(
     rank: at least the DBO token threshold, and no empty last micro-batch (the
     split point is half of the CUDA-graph padded count ``num_tokens_padded``).
     Prefill and decode steps follow vLLM's two DBO token thresholds, on the CPU
-    and on CUDA (where split FLASH_ATTN steps need patch 0014)."""
+    and on CUDA (where split FLASH_ATTN steps need patch 0014). AFD adds its own
+    floor, :func:`configure`: below it a split costs more than it can win."""
     from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds, is_last_ubatch_empty
 
     n = parallel_config.num_ubatches
-    if not allow or num_tokens < n:
+    if not allow or num_tokens < max(n, _min_tokens):
         return False
     if num_tokens_padded is not None and is_last_ubatch_empty(num_tokens, num_tokens_padded, n):
         return False

@@ -74,6 +74,11 @@ class AFDConfig:
     # Index of this process among the ranks of its role. Optional: it defaults
     # to the data-parallel rank of the engine (0 without data parallelism).
     rank: int | None = None
+    # Attention role with --enable-dbo: the smallest step (tokens) that is split into
+    # micro-batches. "auto": on CUDA the break-even of the FFN cost model
+    # (vllm.afd.dbo.break_even_tokens), on the CPU 0 (vLLM's DBO thresholds alone);
+    # an integer sets it (0: vLLM's thresholds alone).
+    dbo_min_tokens: int | str = "auto"
 
     # ------------------------------------------------------------------ parse
     @classmethod
@@ -198,6 +203,13 @@ class AFDConfig:
             limit = m if self.role == "attention" else n
             if not 0 <= self.rank < limit:
                 fail(f"'rank' {self.rank} is out of range for role {self.role!r} (0..{limit - 1})")
+        if self.dbo_min_tokens != "auto" and (
+            not _is_int(self.dbo_min_tokens) or self.dbo_min_tokens < 0
+        ):
+            fail(
+                "'dbo_min_tokens' must be \"auto\" or a non-negative integer (tokens of the "
+                f"smallest step split into micro-batches); got {self.dbo_min_tokens!r}"
+            )
         window = self.connector_extra_config.get("batch_window_ms", 0)
         if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
             fail("connector_extra_config.batch_window_ms must be a non-negative number")
