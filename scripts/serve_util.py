@@ -54,12 +54,14 @@ CPU_SERVE_ARGS = [
     "--seed", "0",
 ]  # fmt: skip
 
-# Environment for every server on the CPU (DeepSeek-V2 also needs VLLM_MLA_DISABLE=1).
-CPU_SERVE_ENV = {
+# Environment for every vLLM engine these tools and tests start: a small KV cache on the CPU
+# (1 GiB; ignored on CUDA), no FlashInfer sampler, no tokenizer thread pool. See engine_env.
+ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }
+CPU_SERVE_ENV = ENGINE_ENV  # the name benchmarks and older callers know
 
 
 # ---------------------------------------------------------------------------- ports
@@ -288,6 +290,38 @@ def internal_port_base() -> int:
     _PORT_BASES.append(base)
     del _PORT_BASES[:-50]
     return base
+
+
+def mla_disabled(model: str | os.PathLike) -> bool:
+    """True for a DeepSeek checkpoint (by its directory name): vLLM's CPU backend has no MLA
+    attention, so such a model runs there with VLLM_MLA_DISABLE=1."""
+    return "deepseek" in Path(model).name
+
+
+def engine_env(cpu_model: str | os.PathLike | None = None, *, in_process: bool = False,
+               extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one vLLM engine process (a ``vllm serve`` server, or an offline
+    engine of the tests' ``afd_proc.py``): os.environ, ENGINE_ENV, then
+
+    * ``cpu_model``: the checkpoint of an engine on the CPU; a DeepSeek one gets
+      VLLM_MLA_DISABLE=1 (:func:`mla_disabled`). None for a GPU engine, or where the caller
+      sets it;
+    * ``in_process``: VLLM_ENABLE_V1_MULTIPROCESSING=0, the engine core in the process that
+      creates the engine (one process per engine: faster start, and the FFN serve loop of
+      ``afd_proc.py ffn`` is in the process that watches it);
+    * ``extra`` (wins over everything above);
+    * VLLM_PORT: a base of its own (:func:`internal_port_base`) unless ``extra`` gives one,
+      so that engines started together never share their internal ports.
+    """
+    env = {**os.environ, **ENGINE_ENV}
+    if cpu_model is not None and mla_disabled(cpu_model):
+        env["VLLM_MLA_DISABLE"] = "1"
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.update(extra or {})
+    if "VLLM_PORT" not in (extra or {}):
+        env["VLLM_PORT"] = str(internal_port_base())
+    return env
 
 
 # ---------------------------------------------------------------------------- processes
@@ -601,14 +635,12 @@ class Server:
               python: str | None = None, env: dict[str, str] | None = None,
               extra_args: list[str] | None = None, host: str = "127.0.0.1",
               cpu_args: bool = True) -> Server:
-        """Start ``vllm serve`` with the CPU flags (unless ``cpu_args`` is false); ``env``
-        is added to os.environ and CPU_SERVE_ENV."""
+        """Start ``vllm serve`` with the CPU flags (unless ``cpu_args`` is false) in the
+        environment of :func:`engine_env` plus ``env``."""
         cmd = serve_command(model, port, python=python, afd=afd_config, host=host,
                             extra_args=extra_args, cpu_args=cpu_args)
-        full_env = {**os.environ, **CPU_SERVE_ENV, **(env or {})}
-        full_env.setdefault("VLLM_PORT", str(internal_port_base()))
         t0 = time.monotonic()
-        proc = start_process(cmd, log_path, full_env)
+        proc = start_process(cmd, log_path, engine_env(extra=env))
         return cls(name=name, port=port, log_path=Path(log_path), proc=proc, host=host,
                    started_at=t0)
 

@@ -9,9 +9,11 @@
   wheel installed in the venv, which may be older than the tree (see :mod:`overlay_import`).
   The processes that the CPU tests start run the installed wheel (``make test`` rebuilds it
   first).
+* Per-test time limits: see :mod:`timeouts`.
 """
 
 import overlay_import
+import timeouts
 
 try:
     import setuptools  # noqa: F401
@@ -19,3 +21,7 @@ except ImportError:  # the tooling tests also run on a bare Python
     pass
 
 overlay_import.install()
+
+
+def pytest_collection_modifyitems(config, items):
+    timeouts.apply(config, items)

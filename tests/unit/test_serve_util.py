@@ -1,15 +1,13 @@
-"""scripts/serve_util.py: the ports tests, the demo and the benchmarks hand to servers."""
+"""scripts/serve_util.py: the ports tests, the demo and the benchmarks hand to servers, and
+the environment of every engine they start."""
 
 from __future__ import annotations
 
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import serve_util as su  # noqa: E402
+import serve_util as su
 
 HOST = "127.0.0.1"
 
@@ -118,3 +116,43 @@ def test_failure_excerpt_ends_with_the_first_tracebacks_error(tmp_path):
     plain = tmp_path / "ok.log"
     plain.write_text("a\nb\nc\n")
     assert su.failure_excerpt(plain, 2) == "b\nc"
+
+
+def test_engine_env_of_a_cpu_engine(monkeypatch):
+    monkeypatch.setenv("AFD_TEST_INHERITED", "kept")
+    monkeypatch.setenv("VLLM_PORT", "12345")  # one base for every engine would collide
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    env = su.engine_env("/models/deepseek_v2", in_process=True)
+    assert env["AFD_TEST_INHERITED"] == "kept"
+    assert {k: env[k] for k in su.ENGINE_ENV} == su.ENGINE_ENV
+    assert env["VLLM_MLA_DISABLE"] == "1"  # the CPU backend has no MLA
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    ports = {su.engine_env()["VLLM_PORT"] for _ in range(20)} | {env["VLLM_PORT"]}
+    assert len(ports) == 21 and all(20000 <= int(p) < 30000 for p in ports)
+
+
+def test_engine_env_without_a_cpu_model_and_with_extra(monkeypatch):
+    monkeypatch.delenv("VLLM_MLA_DISABLE", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    env = su.engine_env(extra={"VLLM_PORT": "31000", "VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert "VLLM_MLA_DISABLE" not in env  # a GPU engine, or the caller decides
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert env["VLLM_PORT"] == "31000" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert "VLLM_MLA_DISABLE" not in su.engine_env("/models/qwen3_moe")
+
+
+def test_server_start_runs_in_the_engine_env(monkeypatch, tmp_path):
+    seen = {}
+
+    def start_process(cmd, log_path, env=None):
+        seen.update(cmd=cmd, env=env)
+        return None
+
+    monkeypatch.setattr(su, "start_process", start_process)
+    monkeypatch.setattr(su, "vllm_cli", lambda python=None: ["vllm"])
+    su.Server.start("ffn", "/models/deepseek_v2", 31001, tmp_path / "ffn.log",
+                    env={"VLLM_AFD_SECRET": "s"})  # fmt: skip
+    env = seen["env"]
+    assert env["VLLM_AFD_SECRET"] == "s" and 20000 <= int(env["VLLM_PORT"]) < 30000
+    assert {k: env[k] for k in su.ENGINE_ENV} == su.ENGINE_ENV
+    assert seen["cmd"][:3] == ["vllm", "serve", "/models/deepseek_v2"]

@@ -1,0 +1,165 @@
+"""The test harness of the AFD end-to-end tests: one class for an engine process of
+``afd_proc.py`` (plain vLLM, an AFD attention rank or an AFD FFN server), the ``procs``
+fixture that stops them, and the helpers around them and around ``vllm serve`` pairs.
+
+Every engine these tests start, an ``afd_proc.py`` process here or a ``vllm serve`` server
+(``serve_util.Server``), gets its environment from one builder, ``serve_util.engine_env``,
+and runs in a session of its own started by ``serve_util.start_process`` (stopped as a
+process group by ``serve_util.stop_process_group``). Used by the CPU oracle, fault, netns,
+soak, serve and observability tests and by the GPU oracle (tests/gpu).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+import serve_util as su
+
+AFD_PROC = Path(__file__).resolve().with_name("afd_proc.py")
+
+
+def free_afd_port(ranks: int = 1) -> int:
+    """An AFD base port with ``ranks`` consecutive free ports (FFN rank f listens on
+    ``port + f``), below the ephemeral range."""
+    return su.free_ports(ranks, consecutive=True)[0]
+
+
+def afd_json(role: str, port: int, **extra) -> str:
+    """The ``--afd`` argument of ``afd_proc.py``: serve_util.afd_config as JSON (gloo on
+    127.0.0.1, timeout_s 120, one rank of each role unless ``extra`` says otherwise)."""
+    return json.dumps(su.afd_config(role, port, **extra))
+
+
+def cpu_shm_files(vllm_port: int) -> list[str]:
+    """Shared-memory files of vLLM's CPU tensor-parallel communicator
+    (``<VLLM_DIST_IDENT>-tp:0-[0-1]-cpushm_<rank>``; the ident is the server's
+    distributed-init port: its VLLM_PORT, or the next free port above it)."""
+    if not os.path.isdir("/dev/shm"):
+        return []
+    out = []
+    for name in os.listdir("/dev/shm"):
+        head = name.split("-", 1)[0]
+        if "-cpushm" in name and head.isdigit() and vllm_port <= int(head) < vllm_port + 100:
+            out.append(name)
+    return sorted(out)
+
+
+class AfdProc:
+    """``afd_proc.py MODE --model MODEL ARGS``: one engine in a process of its own (engine
+    core in-process), in a session of its own so that its process group holds its workers;
+    stdout and stderr go to ``log``.
+
+    ``env`` is added to serve_util.engine_env (``device`` "cpu": a DeepSeek model runs
+    without MLA; any other device: no CPU-only setting but the small KV cache, which CUDA
+    ignores). ``netns``: run it in that network namespace (``ip netns exec`` execs the
+    command, so the pid and the session stay the ones started here).
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        model: str | os.PathLike,
+        log: str | os.PathLike,
+        args: Sequence[str] = (),
+        *,
+        env: dict[str, str] | None = None,
+        netns: str | None = None,
+        device: str = "cpu",
+    ):
+        self.mode = mode
+        self.log = Path(log)
+        self.env = su.engine_env(model if device == "cpu" else None, in_process=True, extra=env)
+        self.vllm_port = int(self.env["VLLM_PORT"])
+        # A server killed earlier (here or by an earlier run) leaves its files behind,
+        # and a tensor-parallel server of the same internal port would then fail at
+        # start (EEXIST). No live server of this session has this port base.
+        for name in cpu_shm_files(self.vllm_port):
+            Path("/dev/shm", name).unlink(missing_ok=True)
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        cmd = [*prefix, sys.executable, str(AFD_PROC), mode, "--model", str(model), *args]
+        self.log.unlink(missing_ok=True)  # the log holds this process only
+        self.p = su.start_process(cmd, self.log, self.env)
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def tail(self, n: int = 40) -> str:
+        """For a failure report: the log's root cause and last ``n`` lines."""
+        return su.failure_excerpt(self.log, n)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit code, or None while it still runs after ``timeout`` seconds."""
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait(self, timeout: float) -> int:
+        """The exit code; a process still running after ``timeout`` seconds is killed and
+        fails the test with its log."""
+        rc = self.wait_exit(timeout)
+        if rc is None:
+            self.kill()
+            pytest.fail(f"{self.log.name} did not finish within {timeout} s:\n{self.tail()}")
+        return rc
+
+    def wait_for_log(self, text: str, timeout: float, poll: float = 0.2) -> float | None:
+        """Seconds until ``text`` is in the log; None after ``timeout`` or once the process
+        exited without writing it."""
+        return su.wait_for_log(self.log, text, timeout, proc=self.p, poll=poll)
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 30.0) -> int | None:
+        """``sig`` to the process group, SIGKILL to what is left after ``grace`` seconds;
+        returns when no process of the group is left, with the exit code."""
+        return su.stop_process_group(self.p, grace=grace, sig=sig)
+
+    def kill(self) -> int | None:
+        """SIGKILL to the whole process group (a crash, as far as a peer can tell)."""
+        return self.stop(signal.SIGKILL)
+
+    def gone(self) -> bool:
+        """True when no process of its group is left."""
+        return self.p.poll() is not None and not su.group_members(self.pid)
+
+
+@pytest.fixture
+def procs():
+    """The AfdProcs a test starts (append each): all are stopped at the end (SIGTERM, one
+    shared 30 s grace, then SIGKILL), and none may leave a process behind."""
+    started: list[AfdProc] = []
+    yield started
+    su.stop_processes([p.p for p in started], grace=30.0)
+    left = {p.log.name: su.group_members(p.pid) for p in started}
+    assert not any(left.values()), f"processes left: {left}"
+
+
+def ffn_stopped_counts(ffn: AfdProc) -> dict[str, int]:
+    """Stop an FFN server (SIGTERM) and read its AFD-FFN-STOPPED line (steps served...)."""
+    ffn.stop()
+    stopped = [ln for ln in ffn.text().splitlines() if ln.startswith("AFD-FFN-STOPPED")]
+    assert stopped, ffn.tail()
+    return {k: int(v) for k, v in (f.split("=") for f in stopped[0].split()[1:])}
+
+
+def wait_healthy(servers: list[su.Server], timeout: float) -> dict[str, float]:
+    """serve_util.wait_all_healthy; a server that exits or is not healthy in time fails the
+    test with the first traceback of every server's log (the root cause sits far above
+    vLLM's re-raise) and the log tail of the one that failed."""
+    try:
+        return su.wait_all_healthy(servers, timeout=timeout)
+    except su.ServerDied as e:
+        tbs = [f"--- first traceback of the {s.name} server ({s.log_path}):\n"
+               f"{su.find_traceback(s.log_path)}" for s in servers]  # fmt: skip
+        pytest.fail("\n".join(tbs) + f"\n\n--- {e}", pytrace=False)
