@@ -1,0 +1,175 @@
+"""Cost of one cuda_ipc hand-over between two processes, with nothing else running.
+
+Two processes (an "attention" side and an "FFN" side, like AFD's two roles) exchange a
+[tokens, hidden] message back and forth ``--layers`` times a step, both sides replaying
+one CUDA graph per step, with the connector's device kernels
+(overlay/vllm/distributed/afd/ipc_kernels.py, loaded from this tree): ``split`` (a torch
+copy plus a signal kernel to send, a wait kernel plus a torch copy to receive: the
+connector as it was) and ``fused`` (one kernel each). The FFN side only echoes the
+message, so the step time is the hand-overs alone: ``us per hand-over = step / (2 x
+layers)``. Both processes on one GPU (under CUDA MPS with ``--mps``; without it they
+time-slice the GPU) or on two (``--peer-gpu``).
+
+    python3 benchmarks/handover.py --mps --tokens 16,64,256 --hidden 2048 --layers 27
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import mps
+
+KERNELS = Path(__file__).resolve().parents[1] / "overlay/vllm/distributed/afd/ipc_kernels.py"
+TIMEOUT_NS = 10 * 10**9
+
+
+def kernels():
+    spec = importlib.util.spec_from_file_location("afd_ipc_kernels", KERNELS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Side:
+    """One side's buffers: its inbox and flag (mapped by the peer), counters, scratch."""
+
+    def __init__(self, torch, max_bytes: int, device: str):
+        self.inbox = torch.zeros(max_bytes, dtype=torch.uint8, device=device)
+        self.flag = torch.zeros(8, dtype=torch.int64, device=device)  # [0]: data flag
+        self.local = torch.zeros((5, 8), dtype=torch.int64, device=device)
+        self.sent, self.recvd, self.err = self.local[0], self.local[1], self.local[2]
+        self.done_send, self.done_recv = self.local[3], self.local[4]
+
+
+def send(k, variant: str, me: Side, peer_inbox, peer_flag, x) -> None:
+    n = x.numel() * x.element_size()
+    dst = peer_inbox[:n].view(x.dtype).view(x.shape)
+    if variant == "fused":
+        k.send_fused(x, dst, me.sent, peer_flag, me.done_send)
+    else:
+        dst.copy_(x)
+        k.signal(me.sent, peer_flag)
+
+
+def recv(k, variant: str, me: Side, y) -> None:
+    n = y.numel() * y.element_size()
+    src = me.inbox[:n].view(y.dtype).view(y.shape)
+    if variant == "fused":
+        k.recv_fused(src, y, me.recvd, me.flag, me.err, me.done_recv, TIMEOUT_NS)
+    else:
+        k.wait(me.recvd, me.flag, me.err, TIMEOUT_NS)
+        y.copy_(src)
+
+
+def step(k, variant: str, role: str, me: Side, peer, x, y, layers: int) -> None:
+    """One step's hand-overs. attention: send a layer's input, receive its output; FFN:
+    the reverse (it echoes what it received), so that every hand-over is on the path."""
+    peer_inbox, peer_flag = peer
+    h = x
+    for _ in range(layers):
+        if role == "attention":
+            send(k, variant, me, peer_inbox, peer_flag, h)
+            recv(k, variant, me, y)
+            h = y
+        else:
+            recv(k, variant, me, y)
+            send(k, variant, me, peer_inbox, peer_flag, y)
+
+
+def measure(torch, k, a, role: str, me: Side, peer, variant: str, tokens: int) -> dict:
+    """Seconds per step of one variant and size (graph replays), and whether the
+    attention side got its message back unchanged."""
+    x = torch.randn((tokens, a.hidden), dtype=torch.bfloat16, device=me.inbox.device)
+    y = torch.empty_like(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step(k, variant, role, me, peer, x, y, a.layers)  # compiles; pairs with the peer
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step(k, variant, role, me, peer, x, y, a.layers)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / a.steps
+    return {"step_us": dt * 1e6, "echo_ok": bool(torch.equal(y, x)) or role != "attention",
+            "err": int(me.err[0])}
+
+
+def run_side(role: str, a, q_out, q_in, results) -> None:
+    import torch
+
+    k = kernels()
+    device = f"cuda:{a.gpu if role == 'attention' else a.peer_gpu}"
+    torch.cuda.set_device(device)
+    me = Side(torch, max(a.tokens_list) * a.hidden * 2, device)
+    q_out.put((me.inbox, me.flag))
+    peer = q_in.get()
+    out = {f"{v}/{t}": measure(torch, k, a, role, me, peer, v, t)
+           for v in a.variants for t in a.tokens_list}
+    results.put((role, out))
+    q_in.get()  # the peer's buffers stay mapped until the other side is done too
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", default="16,64,256")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=27)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--variants", default="split,fused")
+    p.add_argument("--gpu", default="0")
+    p.add_argument("--peer-gpu", default="0")
+    p.add_argument("--mps", action="store_true", help="start the CUDA MPS control daemon")
+    p.add_argument("--json", help="write the figures here")
+    a = p.parse_args()
+    a.tokens_list = [int(t) for t in a.tokens.split(",")]
+    a.variants = [v for v in a.variants.split(",") if v]
+    if set(a.variants) - {"split", "fused"}:
+        p.error("--variants: split and/or fused")
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    with mps.daemon(a.mps) as env:
+        os.environ.update(env)
+        q1, q2, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        procs = [ctx.Process(target=run_side, args=("attention", a, q1, q2, results)),
+                 ctx.Process(target=run_side, args=("ffn", a, q2, q1, results))]
+        for proc in procs:
+            proc.start()
+        got = dict(results.get(timeout=600) for _ in procs)
+        q1.put(None)
+        q2.put(None)
+        for proc in procs:
+            proc.join(60)
+    sharing = "one GPU, MPS" if a.mps else (
+        "one GPU, time-sliced" if a.gpu == a.peer_gpu else "two GPUs")
+    print(f"hand-over cost ({sharing}; hidden {a.hidden}, bf16, {a.layers} layers = "
+          f"{2 * a.layers} hand-overs a step, CUDA graphs both sides)")
+    print("variant  tokens   step us   us per hand-over   echo")
+    bad = 0
+    for key, r in got["attention"].items():
+        variant, tokens = key.split("/")
+        per = r["step_us"] / (2 * a.layers)
+        ok = r["echo_ok"] and not r["err"]
+        bad += not ok
+        print(f"{variant:7s} {int(tokens):7d} {r['step_us']:9.1f} {per:18.2f}   "
+              f"{'ok' if ok else 'WRONG'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": {k: v for k, v in vars(a).items()},
+                                            "sharing": sharing, "results": got}, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
