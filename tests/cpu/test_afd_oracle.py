@@ -2,150 +2,30 @@
 
 Greedy decoding in fp32: token ids must be identical and the top-5 logprobs
 of every generated position within LOGPROB_TOL. Every engine runs in its own
-process (tests/cpu/afd_proc.py, in-process engine core for speed).
+process (tests/cpu/afd_proc.py through harness.AfdProc, in-process engine core
+for speed).
 
-Prompts of different lengths with different max_tokens and max_num_seqs=4 make
-the scheduler mix prefills with decodes (continuous batching).
+The prompts (oracle_lib.PROMPTS) have different lengths with different max_tokens;
+with max_num_seqs=4 the scheduler mixes prefills with decodes (continuous batching).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from oracle_lib import assert_outputs_match
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import serve_util as su  # noqa: E402
+from harness import AfdProc, afd_json, cpu_shm_files, ffn_stopped_counts
+from harness import free_afd_port as free_port
+from oracle_lib import PROMPTS, assert_outputs_match, write_prompts
 
 pytestmark = pytest.mark.cpu_e2e
 
-HERE = Path(__file__).resolve().parent
-PROC = HERE / "afd_proc.py"
 LOGPROB_TOL = 1e-4
 START_TIMEOUT = 420  # engine start on a loaded 2-core machine
-
-PROMPTS = {
-    "prompts": [
-        "Hello, my name is",
-        "The capital of France is",
-        "def add(a, b):",
-        "One two three",
-        "A long time ago in a galaxy far, far away, there was a small robot who",
-        "Q: What is two plus two?\nA:",
-        "import numpy as np\n\nx = np.arange(10)\n",
-        "The quick brown fox",
-        "In the beginning",
-        "Once upon a time, in a land of dragons and wizards and tall mountains,",
-    ],
-    "max_tokens": [24, 8, 16, 30, 12, 20, 10, 28, 6, 18],
-}
-
-
-def free_port(n: int = 1) -> int:
-    """A base port with n consecutive free ports (below the ephemeral range)."""
-    return su.free_ports(n, consecutive=True)[0]
-
-
-def env_for(model: Path) -> dict:
-    env = dict(os.environ)
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    # vLLM's internal ports (torch.distributed) from a base of this process's own,
-    # below the ephemeral range: not raced by the other engine's bind(0) or connects.
-    env["VLLM_PORT"] = str(su.internal_port_base())
-    if "deepseek" in model.name:
-        env["VLLM_MLA_DISABLE"] = "1"
-    return env
-
-
-def cpu_shm_files(vllm_port: int) -> list[str]:
-    """Shared-memory files of vLLM's CPU tensor-parallel communicator
-    (``<VLLM_DIST_IDENT>-tp:0-[0-1]-cpushm_<rank>``; the ident is the server's
-    distributed-init port: its VLLM_PORT, or the next free port above it)."""
-    if not os.path.isdir("/dev/shm"):
-        return []
-    out = []
-    for name in os.listdir("/dev/shm"):
-        head = name.split("-", 1)[0]
-        if "-cpushm" in name and head.isdigit() and vllm_port <= int(head) < vllm_port + 100:
-            out.append(name)
-    return sorted(out)
-
-
-class Proc:
-    def __init__(self, args: list[str], model: Path, log: Path):
-        self.log = log
-        self.fh = open(log, "w")
-        env = env_for(model)
-        self.vllm_port = int(env["VLLM_PORT"])
-        # A server killed earlier (here or by an earlier run) leaves its files behind,
-        # and a tensor-parallel server of the same internal port would then fail at
-        # start (EEXIST). No live server of this session has this port base.
-        for name in cpu_shm_files(self.vllm_port):
-            Path("/dev/shm", name).unlink(missing_ok=True)
-        self.p = subprocess.Popen(
-            [sys.executable, str(PROC), *args, "--model", str(model)],
-            stdout=self.fh, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
-        )
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            pytest.fail(f"{self.log.name} did not finish within {timeout} s:\n{self.tail()}")
-
-    def text(self) -> str:
-        if not self.fh.closed:
-            self.fh.flush()
-        return self.log.read_text(errors="replace")
-
-    def tail(self, n: int = 40) -> str:
-        return su.failure_excerpt(self.log, n)
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        if self.p.poll() is None:
-            try:
-                os.killpg(self.p.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.p.pid, signal.SIGKILL)
-
-    def stop(self) -> None:
-        self.kill(signal.SIGTERM)
-        self.fh.close()
-
-
-@pytest.fixture
-def procs():
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.stop()
-
-
-def afd_json(role: str, port: int, **extra) -> str:
-    cfg = {"role": role, "connector": "gloo", "host": "127.0.0.1", "port": port,
-           "timeout_s": 120}
-    cfg.update(extra)
-    return json.dumps(cfg)
-
-
-def write_prompts(tmp_path: Path, spec: dict = PROMPTS) -> Path:
-    path = tmp_path / "prompts.json"
-    path.write_text(json.dumps(spec))
-    return path
 
 
 _PLAIN_CACHE: dict[str, dict] = {}
@@ -156,8 +36,9 @@ def plain_reference(model: Path, tmp_path: Path) -> dict:
     key = str(model)
     if key not in _PLAIN_CACHE:
         out = tmp_path / f"plain_{model.name}.json"
-        p = Proc(["plain", "--prompts", str(write_prompts(tmp_path)), "--out", str(out),
-                  "--max-num-seqs", "4"], model, tmp_path / f"plain_{model.name}.log")
+        p = AfdProc("plain", model, tmp_path / f"plain_{model.name}.log",
+                    ["--prompts", str(write_prompts(tmp_path)), "--out", str(out),
+                     "--max-num-seqs", "4"])
         rc = p.wait(START_TIMEOUT)
         assert rc == 0, p.tail()
         _PLAIN_CACHE[key] = json.loads(out.read_text())
@@ -184,31 +65,30 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
     group_args = ["--tensor-parallel-size", str(ffn_group)] if ffn_group > 1 else []
 
     def start_ffn():
-        p = Proc(["ffn", "--afd", afd_json("ffn", port, **topo), *group_args], model,
-                 tmp_path / "ffn.log")
+        p = AfdProc("ffn", model, tmp_path / "ffn.log",
+                    ["--afd", afd_json("ffn", port, **topo), *group_args])
         procs.append(p)
         return p
 
     def start_attn(rank: int):
         out = tmp_path / f"afd_{rank}.json"
-        p = Proc(["attention", "--afd", afd_json("attention", port, rank=rank,
-                                                 **{**topo, **(attn_extra or {})}),
-                  "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "4",
-                  *attn_args],
-                 attn_model or model, tmp_path / f"attn_{rank}.log")
+        p = AfdProc("attention", attn_model or model, tmp_path / f"attn_{rank}.log",
+                    ["--afd", afd_json("attention", port, rank=rank,
+                                       **{**topo, **(attn_extra or {})}),
+                     "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "4",
+                     *attn_args])
         procs.append(p)
         return p, out
 
     ffn = None if attention_first else start_ffn()
     if ffn_ready_first:
-        assert su.wait_for_log(ffn.log, "AFD-FFN-READY", START_TIMEOUT, proc=ffn.p) \
-            is not None, ffn.tail()
+        assert ffn.wait_for_log("AFD-FFN-READY", START_TIMEOUT) is not None, ffn.tail()
     attns = [start_attn(r) for r in range(num_attention)]
     if attention_first:
         # The FFN server starts once every attention rank is up and trying to reach it.
         for attn, _ in attns:
-            assert su.wait_for_log(attn.log, "AFD: connecting to FFN rank", START_TIMEOUT,
-                                   proc=attn.p) is not None, attn.tail()
+            assert attn.wait_for_log("AFD: connecting to FFN rank", START_TIMEOUT) \
+                is not None, attn.tail()
         ffn = start_ffn()
     return ffn, attns
 
@@ -327,15 +207,6 @@ def test_ffn_group_refuses_micro_batched_steps(models_dir, tmp_path, procs):
     assert cpu_shm_files(ffn.vllm_port) == [], ffn.tail()
 
 
-def ffn_stopped_counts(ffn) -> dict[str, int]:
-    """Stop the FFN server and read its AFD-FFN-STOPPED line (steps served...)."""
-    ffn.kill(signal.SIGTERM)
-    ffn.p.wait(60)
-    stopped = [ln for ln in ffn.text().splitlines() if ln.startswith("AFD-FFN-STOPPED")]
-    assert stopped, ffn.tail()
-    return {k: int(v) for k, v in (f.split("=") for f in stopped[0].split()[1:])}
-
-
 @pytest.mark.parametrize("name, gate_on_attention",
                          [("qwen3_moe", False), ("deepseek_v2", False), ("qwen3_moe", True)])
 def test_oracle_dbo(name, gate_on_attention, models_dir, tmp_path, procs):
@@ -384,15 +255,15 @@ def test_mismatched_layer_count_ends_both(models_dir, tmp_path, procs):
 def test_wrong_topology_ends_both(models_dir, tmp_path, procs):
     model = models_dir / "qwen3_moe"
     port = free_port(2)
-    attn = Proc(["attention", "--afd", afd_json("attention", port),
-                 "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "o.json")],
-                model, tmp_path / "attn.log")
+    attn = AfdProc("attention", model, tmp_path / "attn.log",
+                   ["--afd", afd_json("attention", port), "--prompts",
+                    str(write_prompts(tmp_path)), "--out", str(tmp_path / "o.json")])
     procs.append(attn)
-    assert su.wait_for_log(attn.log, "AFD: connecting to FFN rank", START_TIMEOUT,
-                           proc=attn.p) is not None, attn.tail()
-    ffn = Proc(["ffn", "--afd", afd_json("ffn", port, num_attention_ranks=2,
-                                         timeout_s=REFUSING_FFN_TIMEOUT_S)],
-               model, tmp_path / "ffn.log")
+    assert attn.wait_for_log("AFD: connecting to FFN rank", START_TIMEOUT) is not None, \
+        attn.tail()
+    ffn = AfdProc("ffn", model, tmp_path / "ffn.log",
+                  ["--afd", afd_json("ffn", port, num_attention_ranks=2,
+                                     timeout_s=REFUSING_FFN_TIMEOUT_S)])
     procs.append(ffn)
     assert attn.wait(START_TIMEOUT) != 0
     assert ffn.wait(START_TIMEOUT) != 0
@@ -408,19 +279,20 @@ def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
     # 64 requests of 480 tokens, 4 at a time: thousands of steps, so the
     # generation cannot finish before the kill on however fast a machine.
     spec = {"prompts": ["Hello, my name is"] * 64, "max_tokens": [480] * 64}
-    ffn = Proc(["ffn", "--afd", afd_json("ffn", port, timeout_s=timeout_s)], model,
-               tmp_path / "ffn.log")
+    ffn = AfdProc("ffn", model, tmp_path / "ffn.log",
+                  ["--afd", afd_json("ffn", port, timeout_s=timeout_s)])
     procs.append(ffn)
-    attn = Proc(["attention", "--afd", afd_json("attention", port, timeout_s=timeout_s),
-                 "--max-num-seqs", "4",
-                 "--prompts", str(write_prompts(tmp_path, spec)),
-                 "--out", str(tmp_path / "o.json")], model, tmp_path / "attn.log")
+    attn = AfdProc("attention", model, tmp_path / "attn.log",
+                   ["--afd", afd_json("attention", port, timeout_s=timeout_s),
+                    "--max-num-seqs", "4",
+                    "--prompts", str(write_prompts(tmp_path, spec)),
+                    "--out", str(tmp_path / "o.json")])
     procs.append(attn)
-    assert su.wait_for_log(attn.log, "AFD-PROC-GENERATING", START_TIMEOUT, proc=attn.p,
-                           poll=0.5) is not None, attn.tail()
+    assert attn.wait_for_log("AFD-PROC-GENERATING", START_TIMEOUT, poll=0.5) is not None, \
+        attn.tail()
     time.sleep(1)  # generation under way
     assert attn.p.poll() is None, attn.tail()
-    ffn.kill(signal.SIGKILL)
+    ffn.kill()
     killed_at = time.monotonic()
     rc = attn.wait(timeout_s + 60)
     elapsed = time.monotonic() - killed_at
@@ -432,17 +304,17 @@ def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
 
 
 def test_no_ffn_within_timeout(models_dir, tmp_path, procs):
-    attn = Proc(["attention", "--afd", afd_json("attention", free_port(), timeout_s=3),
-                 "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "o.json")],
-                models_dir / "llama", tmp_path / "attn.log")
+    attn = AfdProc("attention", models_dir / "llama", tmp_path / "attn.log",
+                   ["--afd", afd_json("attention", free_port(), timeout_s=3),
+                    "--prompts", str(write_prompts(tmp_path)), "--out", str(tmp_path / "o.json")])
     procs.append(attn)
     assert attn.wait(START_TIMEOUT) != 0
     assert "could not reach AFD FFN rank 0 at 127.0.0.1" in attn.text(), attn.tail()
 
 
 def test_no_attention_within_timeout(models_dir, tmp_path, procs):
-    ffn = Proc(["ffn", "--afd", afd_json("ffn", free_port(), timeout_s=3)],
-               models_dir / "llama", tmp_path / "ffn.log")
+    ffn = AfdProc("ffn", models_dir / "llama", tmp_path / "ffn.log",
+                  ["--afd", afd_json("ffn", free_port(), timeout_s=3)])
     procs.append(ffn)
     assert ffn.wait(START_TIMEOUT) == 3
     assert "did not connect within timeout_s=3" in ffn.text(), ffn.tail()
