@@ -16,71 +16,46 @@ without DBO). Greedy tokens must be identical and top-5 logprobs within BF16_TOL
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
+import oracle_lib
 import pytest
+import torch
+from harness import AfdProc, afd_json, ffn_stopped_counts, free_afd_port
+
+import serve_util as su
 
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "cpu"))  # the CPU oracle's helpers (oracle_lib)
-_spec = importlib.util.spec_from_file_location(
-    "afd_cpu_oracle", HERE.parent / "cpu" / "test_afd_oracle.py"
-)
-oracle = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(oracle)
-import oracle_lib  # noqa: E402  (tests/cpu, on sys.path above)
-
-import serve_util as su  # noqa: E402  (scripts/, on sys.path since the oracle's import)
-
 BF16_TOL = 0.05
 MODELS_DIR = Path(os.environ.get("AFD_MODELS_DIR", HERE.parents[1] / "build" / "models"))
 GPU_ARGS = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "4"]
 
 
-@pytest.fixture
-def procs():
-    started = []
-    yield started
-    for p in started:
-        p.stop()
-
-
-def _env(model: Path, gpu: int | str, runner: str | None = None) -> dict:
-    env = oracle.env_for(model)
-    env.pop("VLLM_MLA_DISABLE", None)  # MLA on the GPU
-    env.update(CUDA_VISIBLE_DEVICES=str(gpu), VLLM_USE_FLASHINFER_SAMPLER="0")
+def _env(gpu: int | str, runner: str | None = None) -> dict:
+    """What a GPU engine adds to harness.AfdProc's environment (device "cuda": MLA on)."""
+    env = {"CUDA_VISIBLE_DEVICES": str(gpu)}
     if runner is not None:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
     return env
 
 
 def _proc(args, model, log, gpu, procs, runner=None, gpu_args=GPU_ARGS):
-    p = oracle.Proc.__new__(oracle.Proc)
-    p.log = log
-    p.fh = open(log, "w")
-    import subprocess
-    import sys
-
-    p.p = subprocess.Popen(
-        [sys.executable, str(oracle.PROC), *args, "--model", str(model), *gpu_args],
-        stdout=p.fh, stderr=subprocess.STDOUT, env=_env(model, gpu, runner),
-        start_new_session=True,
-    )
+    """afd_proc.py with ``args`` (the mode first) on ``model``, on GPU(s) ``gpu``."""
+    p = AfdProc(args[0], model, log, [*args[1:], *gpu_args], env=_env(gpu, runner),
+                device="cuda")
     procs.append(p)
     return p
 
 
 def _compare(plain: dict, afd: dict) -> float:
-    return oracle_lib.assert_outputs_match(plain, afd, oracle.PROMPTS["max_tokens"], BF16_TOL)
+    return oracle_lib.assert_outputs_match(plain, afd, oracle_lib.PROMPTS["max_tokens"], BF16_TOL)
 
 
 # With torch.compile the plain model's FFN is fused by Inductor while the FFN
@@ -123,7 +98,7 @@ def _plain(name, mode, runner, tmp_path, procs) -> dict:
     if key not in _PLAIN:
         model = MODELS_DIR / name
         tmp_path.mkdir(parents=True, exist_ok=True)
-        prompts = oracle.write_prompts(tmp_path)
+        prompts = oracle_lib.write_prompts(tmp_path)
         out = tmp_path / "plain.json"
         plain = _proc(["plain", "--prompts", str(prompts), "--out", str(out), *_mode_args(mode)],
                       model, tmp_path / "plain.log", 0, procs, runner)
@@ -141,8 +116,8 @@ def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None,
     the FFN server runs that many FFN ranks as its workers (pass its
     --tensor-parallel-size in ffn_args, and its GPUs as ffn_gpu)."""
     model = MODELS_DIR / name
-    prompts = oracle.write_prompts(tmp_path)
-    port = oracle.free_port(3)
+    prompts = oracle_lib.write_prompts(tmp_path)
+    port = free_afd_port(3)
     # Device waits give up after timeout_s: keep a broken run short.
     kw = {"connector": connector, "timeout_s": 30, **(extra or {})}
     if num_attention > 1:
@@ -150,13 +125,13 @@ def _afd(name, connector, ffn_gpu, mode, runner, tmp_path, procs, extra=None,
     # The attention ranks on GPU 0; with cuda_ipc each side also sees the other's GPU.
     att_gpu = su.cuda_visible_devices("0", str(ffn_gpu), connector)
     ffn_vis = su.cuda_visible_devices(str(ffn_gpu), "0", connector)
-    ffn = _proc(["ffn", "--afd", oracle.afd_json("ffn", port, **kw), *ffn_args],
+    ffn = _proc(["ffn", "--afd", afd_json("ffn", port, **kw), *ffn_args],
                 model, tmp_path / "ffn.log", ffn_vis, procs, gpu_args=gpu_args)
     attns = []
     for r in range(num_attention):
         rank = {"rank": r} if num_attention > 1 else {}
         out = tmp_path / f"afd_{r}.json"
-        attn = _proc(["attention", "--afd", oracle.afd_json("attention", port, **kw, **rank),
+        attn = _proc(["attention", "--afd", afd_json("attention", port, **kw, **rank),
                       "--prompts", str(prompts), "--out", str(out),
                       *_mode_args(mode), *attn_args],
                      model, tmp_path / f"attn_{r}.log", att_gpu, procs, runner,
@@ -242,7 +217,7 @@ def test_gpu_oracle_dbo(name, mode, tmp_path, procs):
     worst = _compare(plain, afd)
     attn_log = _attn_log(tmp_path)
     assert "running eager" not in attn_log
-    counts = oracle.ffn_stopped_counts(ffns[0])
+    counts = ffn_stopped_counts(ffns[0])
     # 4 sequences at a time: most steps have >= 2 tokens and are micro-batched.
     assert counts["ubatched"] > counts["steps"] // 2, counts
     if mode == "graphs":
@@ -277,7 +252,7 @@ def test_gpu_oracle_m_attention_ranks_one_ffn_rank(name, num_attention, tmp_path
     for r in range(num_attention):
         assert "Capturing CUDA graphs" in _attn_log(tmp_path, r)
     # Steps served, and how many carried more than one attention rank's tokens.
-    counts = oracle.ffn_stopped_counts(ffns[0])
+    counts = ffn_stopped_counts(ffns[0])
     print(f"ORACLE {name} cuda_ipc {mode} {num_attention}A1F on one GPU: tokens identical on "
           f"every attention rank, max |logprob diff| {worst:.3g}, {counts}")
 
