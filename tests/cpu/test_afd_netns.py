@@ -2,8 +2,8 @@
 
 The FFN rank runs in namespace B and binds its veth address 10.X.Y.2; the attention rank
 runs in namespace A (10.X.Y.1) and connects to it over the veth link, so the AFD traffic
-leaves the loopback device. Both are the offline harness (tests/cpu/afd_proc.py) run with
-`ip netns exec`.
+leaves the loopback device. Both are the offline harness (tests/cpu/afd_proc.py, through
+harness.AfdProc) run with `ip netns exec`.
 
 * the CPU oracle across the link: greedy tokens identical to plain vLLM, top-5 logprobs
   within LOGPROB_TOL; the FFN is not reachable on 127.0.0.1 of its namespace (it binds
@@ -23,19 +23,15 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from harness import AfdProc
 from oracle_lib import assert_outputs_match
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import serve_util as su  # noqa: E402
+import serve_util as su
 
 pytestmark = pytest.mark.cpu_e2e
 
-HERE = Path(__file__).resolve().parent
-AFD_PROC = HERE / "afd_proc.py"
 MODEL = "qwen3_moe"
 LOGPROB_TOL = 1e-4
 START_TIMEOUT_S = 420
@@ -112,60 +108,6 @@ def netns():
         assert ns.veth_a not in links and ns.veth_b not in links
 
 
-def proc_env() -> dict[str, str]:
-    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-
-
-class Proc:
-    """afd_proc.py in a namespace (``ns``) or in this one (None), in its own session."""
-
-    def __init__(self, ns: str | None, args: list[str], log: Path):
-        self.log = log
-        prefix = ["ip", "netns", "exec", ns] if ns else []
-        with open(log, "w") as fh:
-            # `ip netns exec` execs the command: the pid and session stay the harness's
-            self.p = subprocess.Popen([*prefix, sys.executable, str(AFD_PROC), *args],
-                                      stdout=fh, stderr=subprocess.STDOUT, env=proc_env(),
-                                      start_new_session=True)  # fmt: skip
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, n: int = 40) -> str:
-        return su.failure_excerpt(self.log, n)
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def stop(self, sig: int = signal.SIGTERM, grace: float = 30.0) -> int | None:
-        if self.p.poll() is None:
-            try:
-                os.killpg(self.p.pid, sig)
-            except ProcessLookupError:
-                pass
-            if self.wait(grace) is None:
-                os.killpg(self.p.pid, signal.SIGKILL)
-                self.p.wait(30)
-        deadline = time.monotonic() + 20
-        while su.group_members(self.p.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return self.p.returncode
-
-
-@pytest.fixture
-def procs():
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.stop()
-    left = {p.log.name: su.group_members(p.p.pid) for p in started}
-    assert not any(left.values()), f"processes left: {left}"
-
-
 def afd(role: str, host: str, port: int, timeout_s: float) -> str:
     return json.dumps(su.afd_config(role, port=port, host=host, timeout_s=timeout_s))
 
@@ -174,22 +116,14 @@ def afd(role: str, host: str, port: int, timeout_s: float) -> str:
 def plain(model_dir, tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("netns_plain")
     (d / "prompts.json").write_text(json.dumps(SPEC))
-    p = Proc(
-        None,
-        [
-            "plain",
-            "--model",
-            str(model_dir),
-            "--prompts",
-            str(d / "prompts.json"),
-            "--out",
-            str(d / "plain.json"),
-            "--max-num-seqs",
-            "4",
-        ],
+    p = AfdProc(
+        "plain",
+        model_dir,
         d / "plain.log",
-    )
-    rc = p.wait(START_TIMEOUT_S)
+        ["--prompts", str(d / "prompts.json"), "--out", str(d / "plain.json"),
+         "--max-num-seqs", "4"],
+    )  # fmt: skip
+    rc = p.wait_exit(START_TIMEOUT_S)
     p.stop()
     assert rc == 0, p.tail()
     return json.loads((d / "plain.json").read_text())
@@ -213,20 +147,17 @@ def _connect_from(ns: str, host: str, port: int) -> str:
 def test_oracle_across_namespaces(netns, model_dir, plain, tmp_path, procs):
     port = su.free_port()
     (tmp_path / "prompts.json").write_text(json.dumps(SPEC))
-    ffn = Proc(
-        netns.b,
-        ["ffn", "--model", str(model_dir), "--afd", afd("ffn", netns.addr_b, port, 120)],
-        tmp_path / "ffn.log",
-    )
+    ffn = AfdProc("ffn", model_dir, tmp_path / "ffn.log",
+                  ["--afd", afd("ffn", netns.addr_b, port, 120)], netns=netns.b)
     procs.append(ffn)
-    attn = Proc(netns.a, ["attention", "--model", str(model_dir),
-                          "--afd", afd("attention", netns.addr_b, port, 120),
-                          "--prompts", str(tmp_path / "prompts.json"),
-                          "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
-                tmp_path / "attn.log")  # fmt: skip
+    attn = AfdProc("attention", model_dir, tmp_path / "attn.log",
+                   ["--afd", afd("attention", netns.addr_b, port, 120),
+                    "--prompts", str(tmp_path / "prompts.json"),
+                    "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
+                   netns=netns.a)  # fmt: skip
     procs.append(attn)
     t0 = time.monotonic()
-    rc = attn.wait(START_TIMEOUT_S)
+    rc = attn.wait_exit(START_TIMEOUT_S)
     assert rc == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
     worst = assert_matches(plain, json.loads((tmp_path / "afd.json").read_text()))
     text = ffn.text()
@@ -248,17 +179,16 @@ def test_network_cut_ends_both_sides(netns, model_dir, tmp_path, procs):
     # 64 requests of 480 tokens, 4 at a time: the generation cannot end before the cut
     spec = {"prompts": ["Hello, my name is"] * 64, "max_tokens": [480] * 64}
     (tmp_path / "prompts.json").write_text(json.dumps(spec))
-    ffn = Proc(netns.b, ["ffn", "--model", str(model_dir),
-                         "--afd", afd("ffn", netns.addr_b, port, CUT_TIMEOUT_S)],
-               tmp_path / "ffn.log")  # fmt: skip
+    ffn = AfdProc("ffn", model_dir, tmp_path / "ffn.log",
+                  ["--afd", afd("ffn", netns.addr_b, port, CUT_TIMEOUT_S)], netns=netns.b)
     procs.append(ffn)
-    attn = Proc(netns.a, ["attention", "--model", str(model_dir),
-                          "--afd", afd("attention", netns.addr_b, port, CUT_TIMEOUT_S),
-                          "--prompts", str(tmp_path / "prompts.json"),
-                          "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
-                tmp_path / "attn.log")  # fmt: skip
+    attn = AfdProc("attention", model_dir, tmp_path / "attn.log",
+                   ["--afd", afd("attention", netns.addr_b, port, CUT_TIMEOUT_S),
+                    "--prompts", str(tmp_path / "prompts.json"),
+                    "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
+                   netns=netns.a)  # fmt: skip
     procs.append(attn)
-    assert su.wait_for_log(attn.log, "AFD-PROC-GENERATING", START_TIMEOUT_S, proc=attn.p), (
+    assert attn.wait_for_log("AFD-PROC-GENERATING", START_TIMEOUT_S), (
         attn.tail() + "\n--- ffn ---\n" + ffn.tail()
     )
     time.sleep(1.0)  # generation under way (not a proof of anything)
@@ -266,9 +196,9 @@ def test_network_cut_ends_both_sides(netns, model_dir, tmp_path, procs):
     _ip("-n", netns.b, "link", "set", netns.veth_b, "down")
     t_cut = time.monotonic()
     bound = CUT_TIMEOUT_S + 5
-    rc = attn.wait(bound + 30)
+    rc = attn.wait_exit(bound + 30)
     attn_s = time.monotonic() - t_cut
-    ffn_rc = ffn.wait(max(0.0, bound + 30 - attn_s))
+    ffn_rc = ffn.wait_exit(max(0.0, bound + 30 - attn_s))
     ffn_s = time.monotonic() - t_cut
     try:
         attn_err = [ln for ln in attn.text().splitlines() if "AFD" in ln and "FFN rank 0" in ln]
