@@ -13,23 +13,18 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+from harness import AfdProc, wait_healthy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import serve_util as su  # noqa: E402
+import serve_util as su
 
 pytestmark = [pytest.mark.cpu_e2e, pytest.mark.slow]
 
 MODEL = "qwen3_moe"
-AFD_PROC = Path(__file__).resolve().parent / "afd_proc.py"
 AFD_TIMEOUT_S = 60.0  # the plain reference starts alongside the pair: more start-up skew
 START_TIMEOUT_S = 300.0
 SOAK_REQUESTS = 2000  # at least 500; ~30 s on the 2-core CI machine
@@ -56,7 +51,7 @@ def soak_prompts() -> list[str]:
     return prompts
 
 
-def test_soak_mixed_requests(model_dir, tmp_path, vllm_cpu_env):
+def test_soak_mixed_requests(model_dir, tmp_path):
     prompts = soak_prompts()
     rng = random.Random(SEED)
     work = [(rng.randrange(SOAK_PROMPTS), rng.randint(MIN_TOKENS, MAX_TOKENS))
@@ -65,14 +60,9 @@ def test_soak_mixed_requests(model_dir, tmp_path, vllm_cpu_env):
     # plain reference (one process) while the pair starts
     spec = tmp_path / "prompts.json"
     spec.write_text(json.dumps({"prompts": prompts, "max_tokens": [MAX_TOKENS] * SOAK_PROMPTS}))
-    ref_log = open(tmp_path / "plain.log", "w")
-    ref = subprocess.Popen(
-        [sys.executable, str(AFD_PROC), "plain", "--model", str(model_dir), "--prompts",
-         str(spec), "--out", str(tmp_path / "plain.json"), "--max-num-seqs", "16",
-         "--logprobs", "1"],
-        env=vllm_cpu_env, stdout=ref_log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    ref_log.close()
+    ref = AfdProc("plain", model_dir, tmp_path / "plain.log",
+                  ["--prompts", str(spec), "--out", str(tmp_path / "plain.json"),
+                   "--max-num-seqs", "16", "--logprobs", "1"])  # fmt: skip
     api_attn, api_ffn, afd_port = su.free_ports(3)
     cfg = dict(port=afd_port, timeout_s=AFD_TIMEOUT_S)
     servers: list[su.Server] = []
@@ -90,14 +80,9 @@ def test_soak_mixed_requests(model_dir, tmp_path, vllm_cpu_env):
             extra_args=SERVE_ARGS,
         )
         servers.append(ffn)
-        try:
-            ready = su.wait_all_healthy([attn, ffn], timeout=START_TIMEOUT_S)
-        except su.ServerDied as e:
-            tbs = [f"--- first traceback of the {s.name} server ({s.log_path}):\n"
-                   f"{su.find_traceback(s.log_path)}" for s in servers]  # fmt: skip
-            pytest.fail("\n".join(tbs) + f"\n\n--- {e}", pytrace=False)
-        assert su.wait_for_exit(ref, START_TIMEOUT_S) is not None, "plain reference hangs"
-        assert ref.returncode == 0, su.log_tail(tmp_path / "plain.log")
+        ready = wait_healthy([attn, ffn], START_TIMEOUT_S)
+        assert ref.wait_exit(START_TIMEOUT_S) is not None, "plain reference hangs"
+        assert ref.p.returncode == 0, su.log_tail(tmp_path / "plain.log")
         reference = [o["token_ids"] for o in
                      json.loads((tmp_path / "plain.json").read_text())["outputs"]]  # fmt: skip
         assert all(len(r) == MAX_TOKENS for r in reference)
@@ -161,9 +146,7 @@ def test_soak_mixed_requests(model_dir, tmp_path, vllm_cpu_env):
             text = s.log_path.read_text(errors="replace")
             assert "Traceback" not in text, su.find_traceback(s.log_path)
     finally:
-        if ref.poll() is None:
-            ref.kill()
-            ref.wait(30)
+        ref.kill()
         su.stop_servers(servers)
     left = {s.name: su.group_members(s.pgid) for s in servers}
     assert not any(left.values()), f"processes left after stop: {left}"
