@@ -17,17 +17,14 @@ way round), with ``timeout_s`` 5 so that the failure test below is quick. Checke
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from harness import AfdProc, wait_healthy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import serve_util as su  # noqa: E402
+import serve_util as su
 
 pytestmark = pytest.mark.cpu_e2e
 
@@ -45,7 +42,6 @@ PROMPTS = [
 MAX_TOKENS = [4, 9, 16, 23, 30]
 PARAMS = {"temperature": 0.0, "logprobs": 5, "ignore_eos": True,
           "return_tokens_as_token_ids": True}
-AFD_PROC = Path(__file__).resolve().parent / "afd_proc.py"
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +50,16 @@ def log_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, log_dir, vllm_cpu_env) -> list[dict]:
+def reference(model_dir, log_dir) -> list[dict]:
     """Plain vLLM (one engine in a process of its own): token_ids, text, logprobs."""
     prompts = log_dir / "prompts.json"
     out = log_dir / "plain.json"
     prompts.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS}))
-    cmd = [sys.executable, str(AFD_PROC), "plain", "--model", str(model_dir),
-           "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "8"]
-    proc = subprocess.run(cmd, env=vllm_cpu_env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        pytest.fail(f"afd_proc.py plain failed (rc={proc.returncode}):\n{tail}", pytrace=False)
+    proc = AfdProc("plain", model_dir, log_dir / "plain.log",
+                   ["--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "8"])
+    rc = proc.wait(300)
+    if rc != 0:
+        pytest.fail(f"afd_proc.py plain failed (rc={rc}):\n{proc.tail()}", pytrace=False)
     return json.loads(out.read_text())["outputs"]
 
 
@@ -84,12 +79,7 @@ def pair(model_dir, log_dir, reference):
         ffn = su.Server.start("ffn", model_dir, api_ffn, log_dir / "ffn.log",
                               afd_config=su.afd_config("ffn", **cfg))
         servers.append(ffn)
-        try:
-            ready = su.wait_all_healthy([attn, ffn], timeout=START_TIMEOUT_S)
-        except su.ServerDied as e:
-            tbs = [f"--- first traceback of the {s.name} server ({s.log_path}):\n"
-                   f"{su.find_traceback(s.log_path)}" for s in servers]
-            pytest.fail("\n".join(tbs) + f"\n\n--- {e}", pytrace=False)
+        ready = wait_healthy([attn, ffn], START_TIMEOUT_S)
         print(f"AFD pair healthy: {ready}")
         yield attn, ffn
     finally:
@@ -148,8 +138,7 @@ def test_concurrent_completions_match_plain(pair, reference):
 def test_serving_benchmark_client_against_the_pair(pair, model_dir, tmp_path):
     """benchmarks/serve.py's client half (`vllm bench serve`, warm-ups, the result) against
     this AFD pair's attention server: every request completes with every token."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    import serve as bench
+    import serve as bench  # benchmarks/serve.py
 
     attn, ffn = pair
     a = bench.parse_args(["--model", str(model_dir), "--num-prompts", "4",
