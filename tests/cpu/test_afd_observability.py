@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness import wait_healthy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import serve_util as su  # noqa: E402
+import serve_util as su
 
 pytestmark = pytest.mark.cpu_e2e
 
@@ -57,12 +55,7 @@ def pair(models_dir, tmp_path_factory):
                                afd_config=su.afd_config("attention", **cfg), env=env,
                                extra_args=profiler_args(traces["attention"]))
         servers.append(attn)
-        try:
-            su.wait_all_healthy([attn, ffn], timeout=START_TIMEOUT_S)
-        except su.ServerDied as e:
-            tbs = [f"--- {s.name} ({s.log_path}):\n{su.find_traceback(s.log_path)}"
-                   for s in servers]
-            pytest.fail("\n".join(tbs) + f"\n\n--- {e}", pytrace=False)
+        wait_healthy([attn, ffn], START_TIMEOUT_S)
         yield attn, ffn, traces
     finally:
         su.stop_servers(servers)
