@@ -39,15 +39,13 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import AfdProc, wait_healthy
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import serve_util as su  # noqa: E402
+import serve_util as su
 
 pytestmark = pytest.mark.cpu_e2e
 
 MODEL = "qwen3_moe"
-AFD_PROC = Path(__file__).resolve().parent / "afd_proc.py"
 AFD_TIMEOUT_S = 30.0
 BOUND_S = AFD_TIMEOUT_S + 5  # a lost peer must be acted on within timeout_s + 5 s
 START_TIMEOUT_S = 300.0
@@ -126,12 +124,7 @@ class Deployment:
         return srv
 
     def wait_healthy(self, servers: list[su.Server]) -> dict[str, float]:
-        try:
-            return su.wait_all_healthy(servers, timeout=START_TIMEOUT_S)
-        except su.ServerDied as e:
-            tbs = [f"--- first traceback of the {s.name} server ({s.log_path}):\n"
-                   f"{su.find_traceback(s.log_path)}" for s in servers]  # fmt: skip
-            pytest.fail("\n".join(tbs) + f"\n\n--- {e}", pytrace=False)
+        return wait_healthy(servers, START_TIMEOUT_S)
 
     def restart_both(
         self, *, secret: str | None = None, attn_extra: list[str] | None = None
@@ -271,10 +264,11 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
         assert diff <= LOGPROB_TOL, f"{prompt!r}: max |logprob diff| {diff:.3g}"
 
 
-def afd_proc_env(secret: str | None = None) -> dict[str, str]:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_AFD_SECRET": secret or ""}  # fmt: skip
-    return env
+def harness_proc(mode: str, model_dir: Path, log: Path, args: list[str],
+                 secret: str | None) -> subprocess.Popen:
+    """afd_proc.py (harness.AfdProc) with this shared secret (None: none); its Popen (the
+    test waits on it and ends its process group itself)."""
+    return AfdProc(mode, model_dir, log, args, env={"VLLM_AFD_SECRET": secret or ""}).p
 
 
 # ---------------------------------------------------------------------------- fuzz
@@ -644,15 +638,12 @@ def test_fuzz_afd_port_with_secret_and_wrong_secret_refused(deploy, tmp_path, mo
     prompts.write_text(json.dumps({"prompts": ["Hello"], "max_tokens": [4]}))
     attn, ffn = deploy.ensure(secret=secret)
     wrong_log = tmp_path / "wrong_secret_attention.log"
-    fh = open(wrong_log, "w")
-    wrong = subprocess.Popen(
-        [sys.executable, str(AFD_PROC), "attention", "--model", str(model_dir),
-         "--prompts", str(prompts), "--out", str(tmp_path / "wrong.json"),
+    wrong = harness_proc(
+        "attention", model_dir, wrong_log,
+        ["--prompts", str(prompts), "--out", str(tmp_path / "wrong.json"),
          "--afd", json.dumps(su.afd_config("attention", port=deploy.afd_port, timeout_s=10))],
-        env=afd_proc_env("not-" + secret), stdout=fh, stderr=subprocess.STDOUT,
-        start_new_session=True,
+        "not-" + secret,
     )  # fmt: skip
-    fh.close()
     try:
         fuzz, ffn_log = run_fuzz_against(deploy, tmp_path, seed=4242, secret=secret)
         assert su.wait_for_exit(wrong, START_TIMEOUT_S) is not None, "wrong-secret rank hangs"
@@ -885,15 +876,8 @@ def test_startup_errors_port_in_use_and_unreachable_host(model_dir, log_dir):
 
 
 def _start_harness_ffn(model_dir: Path, port: int, log: Path, secret: str | None):
-    fh = open(log, "w")
     cfg = su.afd_config("ffn", port=port, timeout_s=120)
-    proc = subprocess.Popen(
-        [sys.executable, str(AFD_PROC), "ffn", "--model", str(model_dir), "--afd",
-         json.dumps(cfg)],
-        env=afd_proc_env(secret), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    fh.close()
-    return proc
+    return harness_proc("ffn", model_dir, log, ["--afd", json.dumps(cfg)], secret)
 
 
 def test_forged_attention_hello_does_not_end_an_ffn(model_dir, log_dir):
