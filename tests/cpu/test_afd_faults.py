@@ -58,9 +58,9 @@ HELLO_MAGIC = b"AFDH"
 PREAMBLE = struct.Struct("<4sI")
 MAX_HELLO = 64 * 1024
 FINGERPRINT_KEYS = (
-    "protocol", "architecture", "num_hidden_layers", "hidden_size", "ffn_layers", "dtype",
-    "num_attention_ranks", "num_ffn_ranks", "connector", "compute_gate_on_attention",
-    "max_num_tokens", "afd_revision",
+    "protocol", "architecture", "num_hidden_layers", "hidden_size", "ffn_layers", "ffn_blocks",
+    "num_experts", "mlp_config", "dtype", "num_attention_ranks", "num_ffn_ranks", "connector",
+    "compute_gate_on_attention", "max_num_tokens", "afd_revision", "checkpoint",
 )  # fmt: skip
 
 FUZZ_CONNECTIONS = 300

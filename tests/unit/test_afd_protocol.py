@@ -31,6 +31,9 @@ def fingerprint(**changes) -> dict:
         "num_hidden_layers": 4,
         "hidden_size": 64,
         "ffn_layers": [0, 1, 2, 3],
+        "ffn_blocks": "0-3:LlamaMLP",
+        "num_experts": None,
+        "mlp_config": "hidden_act=\"silu\",intermediate_size=128",
         "dtype": "float32",
         "num_attention_ranks": 1,
         "num_ffn_ranks": 1,
@@ -38,6 +41,7 @@ def fingerprint(**changes) -> dict:
         "compute_gate_on_attention": False,
         "max_num_tokens": 256,
         "afd_revision": "test",
+        "checkpoint": "0123456789abcdef01234567 (config.json + 1 safetensors file)",
     }
     assert set(fp) == set(P.FINGERPRINT_KEYS)
     fp.update(changes)

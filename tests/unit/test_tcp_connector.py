@@ -42,6 +42,9 @@ def fingerprint(**changes) -> dict:
         "num_hidden_layers": 2,
         "hidden_size": HIDDEN,
         "ffn_layers": [0, 1],
+        "ffn_blocks": "0-1:LlamaMLP",
+        "num_experts": None,
+        "mlp_config": "intermediate_size=32",
         "dtype": "float32",
         "num_attention_ranks": 1,
         "num_ffn_ranks": 1,
@@ -49,6 +52,7 @@ def fingerprint(**changes) -> dict:
         "compute_gate_on_attention": False,
         "max_num_tokens": MAX_TOKENS,
         "afd_revision": "unit-test",
+        "checkpoint": "0123456789abcdef01234567 (config.json + 1 safetensors file)",
     }
     assert set(fp) == set(P.FINGERPRINT_KEYS)
     fp.update(changes)

@@ -18,6 +18,8 @@ Without AFD ``afd_ffn_module(cls)`` is ``cls``. With AFD:
 from __future__ import annotations
 
 import contextlib
+import json
+import time
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -36,6 +38,8 @@ class AFDModelState:
     def __init__(self) -> None:
         self.real_device: torch.device | None = None
         self.ffn_modules: dict[int, nn.Module] = {}
+        # Class name of each layer's FFN block (both roles): the dense/MoE layer map.
+        self.block_classes: dict[int, str] = {}
 
 
 STATE = AFDModelState()
@@ -166,6 +170,7 @@ def afd_ffn_module(cls):
     def build(*args, **kwargs):
         prefix = kwargs.get("prefix", "")
         layer_idx = _layer_index(prefix)
+        STATE.block_classes[layer_idx] = cls.__name__
         if cfg.is_attention:
             return _build_remote(cls, args, kwargs, prefix, layer_idx, cfg)
         device = STATE.real_device
@@ -187,6 +192,7 @@ def construction_device(vllm_config, target_device: torch.device):
     routing.register()  # benchmark routing strategy, available to both roles and plain vLLM
     cfg = get_afd_config(vllm_config)
     STATE.real_device = target_device
+    STATE.block_classes.clear()
     if cfg is None or not cfg.is_ffn:
         with target_device:
             yield
@@ -259,8 +265,53 @@ def router_logits_width(vllm_config) -> int | None:
     return None
 
 
+# Config keys of the FFN blocks' shape and routing (those a model has are compared).
+MLP_CONFIG_KEYS = (
+    "hidden_act",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "num_shared_experts",
+    "num_experts_per_tok",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "scoring_func",
+    "topk_method",
+    "n_group",
+    "topk_group",
+)
+
+
+def mlp_config(hf_config) -> str:
+    """``key=value`` pairs of the MLP_CONFIG_KEYS the model config has."""
+    parts = []
+    for key in MLP_CONFIG_KEYS:
+        value = getattr(hf_config, key, None)
+        if value is not None:
+            parts.append(f"{key}={json.dumps(value, sort_keys=True, default=str)}")
+    return ",".join(parts)
+
+
+def ffn_block_map(layers: list[int], classes: dict[int, str]) -> str:
+    """The FFN block class of each layer, runs collapsed (``"0:A 1-2:B"``)."""
+    runs: list[list] = []
+    for i in sorted(layers):
+        name = classes.get(i, "?")
+        if runs and runs[-1][2] == name and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, name])
+    return " ".join(f"{a}:{n}" if a == b else f"{a}-{b}:{n}" for a, b, n in runs)
+
+
 def ffn_fingerprint(vllm_config, ffn_layers: list[int]) -> dict:
     """What both roles must agree on (see vllm.afd.protocol.FINGERPRINT_KEYS)."""
+    from vllm.afd.checkpoint import checkpoint_identity
     from vllm.afd.protocol import PROTOCOL_VERSION
 
     cfg = get_afd_config(vllm_config)
@@ -271,12 +322,18 @@ def ffn_fingerprint(vllm_config, ffn_layers: list[int]) -> dict:
     except ImportError:
         AFD_REVISION = "dev"
     archs = getattr(model_config.hf_config, "architectures", None) or ["?"]
+    t0 = time.perf_counter()
+    checkpoint = checkpoint_identity(model_config, vllm_config.load_config)
+    logger.info("AFD: checkpoint identity %s (%.2f s)", checkpoint, time.perf_counter() - t0)
     return {
         "protocol": PROTOCOL_VERSION,
         "architecture": archs[0],
         "num_hidden_layers": getattr(hf, "num_hidden_layers", None),
         "hidden_size": model_config.get_hidden_size(),
         "ffn_layers": sorted(ffn_layers),
+        "ffn_blocks": ffn_block_map(ffn_layers, STATE.block_classes),
+        "num_experts": router_logits_width(vllm_config),
+        "mlp_config": mlp_config(hf),
         "dtype": str(model_config.dtype).replace("torch.", ""),
         "num_attention_ranks": cfg.num_attention_ranks,
         "num_ffn_ranks": cfg.num_ffn_ranks,
@@ -284,4 +341,5 @@ def ffn_fingerprint(vllm_config, ffn_layers: list[int]) -> dict:
         "compute_gate_on_attention": cfg.compute_gate_on_attention,
         "max_num_tokens": int(vllm_config.scheduler_config.max_num_batched_tokens),
         "afd_revision": AFD_REVISION,
+        "checkpoint": checkpoint,
     }

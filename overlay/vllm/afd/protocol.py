@@ -65,6 +65,9 @@ FINGERPRINT_KEYS = (
     "num_hidden_layers",
     "hidden_size",
     "ffn_layers",
+    "ffn_blocks",
+    "num_experts",
+    "mlp_config",
     "dtype",
     "num_attention_ranks",
     "num_ffn_ranks",
@@ -72,6 +75,7 @@ FINGERPRINT_KEYS = (
     "compute_gate_on_attention",
     "max_num_tokens",
     "afd_revision",
+    "checkpoint",
 )
 
 
