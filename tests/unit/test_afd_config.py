@@ -547,3 +547,60 @@ def test_verify_dbo_refused_on_the_ffn_role():
 def test_verify_dbo_refuses(vllm_config, connector, message):
     with pytest.raises(AFDConfigError, match=message):
         cfg(role="attention", connector=connector).verify_with_vllm_config(vllm_config)
+
+
+# ----------------------------------------------------- tokens of one FFN pass
+def _ffn(m=4, n=1, per_pass=None) -> AFDConfig:
+    extra = {} if per_pass is None else {"ffn_max_tokens_per_pass": per_pass}
+    return cfg(role="ffn", num_attention_ranks=m, num_ffn_ranks=n, connector_extra_config=extra)
+
+
+def test_ffn_pass_tokens_default_is_one_step():
+    """k x max_num_batched_tokens is what a pass of k batched steps could reach: by default
+    a pass holds at most one plain engine step's tokens."""
+    assert _ffn(m=4).ffn_pass_tokens(512) == 512
+    assert _ffn(m=1).ffn_pass_tokens(512) == 512
+
+
+def test_ffn_pass_tokens_set_and_capped_at_k_steps():
+    assert _ffn(m=4, per_pass=1024).ffn_pass_tokens(512) == 1024
+    assert _ffn(m=4, per_pass=10**9).ffn_pass_tokens(512) == 4 * 512
+    assert _ffn(m=4, n=2, per_pass=10**9).ffn_pass_tokens(512) == 2 * 512  # k = M / N
+
+
+def test_ffn_pass_tokens_below_one_step_refused():
+    with pytest.raises(AFDConfigError, match=r"ffn_max_tokens_per_pass \(256\) must be at least "
+                                             r"max_num_batched_tokens \(512\)"):  # fmt: skip
+        _ffn(per_pass=256).ffn_pass_tokens(512)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "512"])
+def test_ffn_max_tokens_per_pass_must_be_a_positive_integer(bad):
+    with pytest.raises(AFDConfigError, match="ffn_max_tokens_per_pass must be a positive integer"):
+        _ffn(per_pass=bad)
+
+
+def test_verify_refuses_an_ffn_pass_below_max_num_batched_tokens():
+    v = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
+    _ffn(per_pass=2048).verify_with_vllm_config(v)
+    with pytest.raises(AFDConfigError, match=r"\(1024\) must be at least max_num_batched_tokens"):
+        _ffn(per_pass=1024).verify_with_vllm_config(v)
+    # the key is the FFN's: an attention server with it is not refused
+    cfg(connector_extra_config={"ffn_max_tokens_per_pass": 1024}).verify_with_vllm_config(v)
+
+
+def test_ffn_pass_message():
+    assert _ffn(m=1).ffn_pass_message(0, 512) == (
+        "AFD FFN rank 0: at most 512 tokens per pass (k=1 attention rank x 512 "
+        "max_num_batched_tokens = 512)"
+    )
+    assert _ffn(m=4, n=2).ffn_pass_message(1, 512) == (
+        "AFD FFN rank 1: at most 512 tokens per pass (k=2 attention ranks x 512 "
+        "max_num_batched_tokens = 1024; steps beyond it are served in several passes, "
+        "connector_extra_config.ffn_max_tokens_per_pass raises it)"
+    )
+    assert _ffn(m=4, n=2, per_pass=4096).ffn_pass_message(0, 512, group_size=2) == (
+        "AFD FFN rank 0: at most 1024 tokens per pass (k=2 attention ranks x 512 "
+        "max_num_batched_tokens = 1024; a pass of this FFN group gathers up to 2048 tokens "
+        "of its 2 members)"
+    )

@@ -27,6 +27,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.graphs_enabled = True
         self.graph_max_tokens = max_tokens
         self.graph_max_count = max_count
+        self.max_pass_tokens = 64
         self.graphs, self._graph_seen, self._graph_gen = {}, {}, -1
         self.graph_replays = self.steps_served = self.batched_steps = self.ubatched_steps = 0
         self.connector = type("C", (), {"generation": 0})()

@@ -49,6 +49,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.steps_served = self.batched_steps = self.ubatched_steps = 0
         self.graphs_enabled = False
         self.profiler = None
+        self.max_pass_tokens = 64
 
 
 @pytest.fixture(autouse=True)

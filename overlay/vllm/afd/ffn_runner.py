@@ -27,6 +27,26 @@ logger = init_logger(__name__)
 ACTIVE: list[FFNModelRunner] = []
 
 
+def split_passes(ready: list, max_tokens: int) -> list[list]:
+    """The step peers ``ready`` in arrival order, cut into passes of at most
+    ``max_tokens`` tokens each (see AFDConfig.ffn_pass_tokens); a step is never split."""
+    passes: list[list] = []
+    total = 0
+    for peer in ready:
+        n = peer.control.num_tokens
+        if n > max_tokens:
+            raise RuntimeError(
+                f"AFD FFN role: a step of attention rank {peer.rank} has {n} tokens, above "
+                f"the {max_tokens} tokens of one pass"
+            )
+        if not passes or total + n > max_tokens:
+            passes.append([])
+            total = 0
+        passes[-1].append(peer)
+        total += n
+    return passes
+
+
 class _GivenRouterLogits(torch.nn.Module):
     """Runs an MoE block with router logits computed on the attention role:
     the block's gate (and the MoE runner's internal router) are swapped for
@@ -85,6 +105,12 @@ class FFNModelRunner:
         self.afd_config = get_afd_config(vllm_config)
         self.dtype = self.model_config.dtype
         self.hidden_size = self.model_config.get_hidden_size()
+        # The most tokens one pass runs; the steps that came together beyond it wait
+        # for the next pass (an FFN group holds them in _pending).
+        self.max_pass_tokens = self.afd_config.ffn_pass_tokens(
+            int(vllm_config.scheduler_config.max_num_batched_tokens)
+        )
+        self._pending: list = []
         self.model = None
         self.modules: dict[int, torch.nn.Module] = {}
         self.connector = None
@@ -206,6 +232,9 @@ class FFNModelRunner:
         self.graph_replays = 0
         self.connector.start()
         metrics.STATS.start("ffn", rank, self.connector.peer_states)
+        logger.info(cfg.ffn_pass_message(
+            rank, ctx.max_num_tokens, self.group.world_size if self.group is not None else 1
+        ))  # fmt: skip
         if self.group is not None:
             logger.info(
                 "AFD FFN rank %d of an FFN group of %d (%s): serving attention rank(s) %s; "
@@ -274,10 +303,13 @@ class FFNModelRunner:
         from vllm.afd.protocol import AFDPeerError
 
         active = time.monotonic() - self._group_last_step < self.GROUP_ACTIVE_S
-        with record_function("afd.wait_step"):
-            ready = self.connector.wait_step(
-                timeout=self.GROUP_POLL_ACTIVE_S if active else self.GROUP_POLL_IDLE_S
-            )
+        if self._pending:  # steps held back from the last pass come first
+            ready = self._one_pass([])
+        else:
+            with record_function("afd.wait_step"):
+                ready = self._one_pass(self.connector.wait_step(
+                    timeout=self.GROUP_POLL_ACTIVE_S if active else self.GROUP_POLL_IDLE_S
+                ))  # fmt: skip
         # A member with no step whose own attention ranks had one within
         # GROUP_ACTIVE_S says so: if another member has a step, those members
         # wait up to the batch window (connector_extra_config.batch_window_ms) for
@@ -294,7 +326,7 @@ class FFNModelRunner:
             and self._group_window > 0
         ):
             if waiting:
-                ready = self.connector.wait_step(timeout=self._group_window)
+                ready = self._one_pass(self.connector.wait_step(timeout=self._group_window))
             rows = self._agree(ready, waiting=False)
         counts = [int(r[0]) for r in rows]
         if any(int(r[1]) for r in rows):
@@ -317,6 +349,13 @@ class FFNModelRunner:
         if self.group_steps == 1:
             logger.info("AFD FFN rank %d: first group step, tokens per member %s",
                         self.rank, counts)  # fmt: skip
+
+    def _one_pass(self, ready: list) -> list:
+        """The held-back steps and then ``ready``, up to max_pass_tokens; the rest is
+        held back for the next pass."""
+        passes = split_passes(self._pending + ready, self.max_pass_tokens)
+        self._pending = [p for later in passes[1:] for p in later]
+        return passes[0] if passes else []
 
     def _agree(self, ready, waiting: bool) -> list[torch.Tensor]:
         """All-gather (tokens, micro-batched steps, waiting for a step) of every
@@ -370,8 +409,11 @@ class FFNModelRunner:
             for peer in ubatched:
                 self._run_ubatched(peer)
             ready = [p for p in ready if not ubatch_of(p.control.flags)[1]]
-            if not ready:
-                return
+        for peers in split_passes(ready, self.max_pass_tokens):
+            self._run_pass(peers)
+
+    def _run_pass(self, ready) -> None:
+        """One pass: the steps of ``ready`` (at most max_pass_tokens) share every layer."""
         key = tuple((p.rank, p.control.num_tokens) for p in ready)
         if self._replay(key, ready):
             return

@@ -219,6 +219,12 @@ class AFDConfig:
         graphs = self.connector_extra_config.get("ffn_cuda_graphs", True)
         if not isinstance(graphs, bool):
             fail(f"connector_extra_config.ffn_cuda_graphs must be true or false; got {graphs!r}")
+        per_pass = self.connector_extra_config.get("ffn_max_tokens_per_pass")
+        if per_pass is not None and (not _is_int(per_pass) or per_pass < 1):
+            fail(
+                "connector_extra_config.ffn_max_tokens_per_pass must be a positive integer "
+                f"(tokens); got {per_pass!r}"
+            )
         for key, default in (("ffn_cuda_graph_max_tokens", 512), ("ffn_cuda_graph_max_count", 64)):
             value = self.connector_extra_config.get(key, default)
             if not _is_int(value) or value < 0:
@@ -235,6 +241,10 @@ class AFDConfig:
         if getattr(vllm_config, "speculative_config", None) is not None:
             raise AFDConfigError("AFD: speculative decoding is not supported yet")
         model_config = getattr(vllm_config, "model_config", None)
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        max_tokens = getattr(scheduler, "max_num_batched_tokens", None)
+        if self.is_ffn and _is_int(max_tokens):
+            self.ffn_pass_tokens(max_tokens)  # refuses a bound below one step
         if parallel is not None and getattr(parallel, "enable_dbo", False):
             if self.is_ffn:
                 raise AFDConfigError(
@@ -373,6 +383,50 @@ class AFDConfig:
     def attention_ranks_of(self, ffn_rank: int) -> list[int]:
         k = self.attention_ranks_per_ffn
         return list(range(ffn_rank * k, (ffn_rank + 1) * k))
+
+    def ffn_pass_tokens(self, max_num_tokens: int) -> int:
+        """The most tokens an FFN rank runs through its blocks in one pass.
+
+        An FFN rank batches the steps of its k = num_attention_ranks / num_ffn_ranks
+        attention ranks, each of up to ``max_num_tokens`` (max_num_batched_tokens, which
+        both roles agree on), into one pass: up to k x max_num_tokens tokens, k times the
+        activations a plain engine of this configuration ever runs. Steps whose tokens
+        together exceed this bound are served in several passes. The bound is
+        ``connector_extra_config.ffn_max_tokens_per_pass`` (default max_num_tokens: a
+        pass is never larger than a plain engine's step); at least max_num_tokens (one
+        attention rank's step is not split); above k x max_num_tokens it changes nothing.
+        """
+        k = self.attention_ranks_per_ffn
+        bound = self.connector_extra_config.get("ffn_max_tokens_per_pass", max_num_tokens)
+        if bound < max_num_tokens:
+            raise AFDConfigError(
+                f"AFD: connector_extra_config.ffn_max_tokens_per_pass ({bound}) must be at "
+                f"least max_num_batched_tokens ({max_num_tokens}): one attention rank's step "
+                "is served in one pass. Raise it, or lower --max-num-batched-tokens on both "
+                "roles"
+            )
+        return min(bound, k * max_num_tokens)
+
+    def ffn_pass_message(self, ffn_rank: int, max_num_tokens: int, group_size: int = 1) -> str:
+        """The start-up line that states the bound of :meth:`ffn_pass_tokens`."""
+        k = self.attention_ranks_per_ffn
+        bound = self.ffn_pass_tokens(max_num_tokens)
+        text = (
+            f"AFD FFN rank {ffn_rank}: at most {bound} tokens per pass (k={k} attention "
+            f"rank{'s' if k > 1 else ''} x {max_num_tokens} max_num_batched_tokens = "
+            f"{k * max_num_tokens}"
+        )
+        if bound < k * max_num_tokens:
+            text += (
+                "; steps beyond it are served in several passes, "
+                "connector_extra_config.ffn_max_tokens_per_pass raises it"
+            )
+        if group_size > 1:
+            text += (
+                f"; a pass of this FFN group gathers up to {group_size * bound} tokens of its "
+                f"{group_size} members"
+            )
+        return text + ")"
 
     def ffn_port(self, ffn_rank: int) -> int:
         return self.port + ffn_rank
