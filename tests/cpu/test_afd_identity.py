@@ -12,25 +12,20 @@ the refusal and keep waiting for its real peer.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from harness import AfdProc, afd_json
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
-import serve_util as su  # noqa: E402
+import serve_util as su
 
 pytestmark = pytest.mark.cpu_e2e
 
 MODEL = "qwen3_moe"
-AFD_PROC = Path(__file__).resolve().parent / "afd_proc.py"
 START_TIMEOUT_S = 300.0
 # One routed expert's weight of an MoE layer: an FFN-only tensor (the attention role
 # never loads it).
@@ -57,19 +52,6 @@ def perturbed_copy(src: Path, dst: Path, tensor: str) -> None:
     assert path.stat().st_size == (src / "model.safetensors").stat().st_size
 
 
-def start_harness_ffn(model: Path, port: int, log: Path) -> subprocess.Popen:
-    """The offline FFN harness (as test_afd_faults.py starts it)."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_AFD_SECRET": ""}  # fmt: skip
-    cfg = su.afd_config("ffn", port=port, timeout_s=START_TIMEOUT_S)
-    with open(log, "w") as fh:
-        return subprocess.Popen(
-            [sys.executable, str(AFD_PROC), "ffn", "--model", str(model), "--afd",
-             json.dumps(cfg)],
-            env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-
-
 def wait_exit_or_healthy(srv: su.Server, timeout: float) -> float:
     """Seconds until ``srv`` exits or answers /health (whichever comes first)."""
     t0 = time.monotonic()
@@ -79,16 +61,19 @@ def wait_exit_or_healthy(srv: su.Server, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def test_ffn_serving_other_ffn_weights_is_refused(model_dir, tmp_path):
+def test_ffn_serving_other_ffn_weights_is_refused(model_dir, tmp_path, procs):
     other = tmp_path / "other_weights"
     perturbed_copy(model_dir, other, TENSOR)
     api_port, afd_port = su.free_ports(2)
-    ffn_log, attn_log = tmp_path / "ffn.log", tmp_path / "attention.log"
-    ffn = start_harness_ffn(other, afd_port, ffn_log)
+    attn_log = tmp_path / "attention.log"
+    ffn = AfdProc("ffn", other, tmp_path / "ffn.log",
+                  ["--afd", afd_json("ffn", afd_port, timeout_s=START_TIMEOUT_S)],
+                  env={"VLLM_AFD_SECRET": ""})  # fmt: skip
+    procs.append(ffn)
     attn = None
     try:
-        ready = su.wait_for_log(ffn_log, "AFD-FFN-READY", START_TIMEOUT_S, proc=ffn)
-        assert ready is not None, su.log_tail(ffn_log)
+        ready = ffn.wait_for_log("AFD-FFN-READY", START_TIMEOUT_S)
+        assert ready is not None, ffn.tail()
         attn = su.Server.start(
             "attention", model_dir, api_port, attn_log,
             afd_config=su.afd_config("attention", port=afd_port, timeout_s=120),
@@ -112,11 +97,11 @@ def test_ffn_serving_other_ffn_weights_is_refused(model_dir, tmp_path):
         # both are full-content identities of the same files (only one value differs)
         assert ffn_id.split(" ", 1)[1] == attn_id.split(" ", 1)[1], (ffn_id, attn_id)
         # the FFN logged its own identity at start and the refusal; it keeps waiting
-        ffn_text = ffn_log.read_text(errors="replace")
+        ffn_text = ffn.text()
         assert f"AFD: checkpoint identity {ffn_id}" in ffn_text, ffn_text[-3000:]
         assert f"AFD: refused attention hello: {MISMATCH}" in ffn_text, ffn_text[-3000:]
         assert f"AFD: checkpoint identity {attn_id}" in out
-        assert ffn.poll() is None, "the FFN ended on a refused hello"
+        assert ffn.p.poll() is None, "the FFN ended on a refused hello"
         # (item 8) the FFN states the bound of one pass at start
         assert ("AFD FFN rank 0: at most 512 tokens per pass (k=1 attention rank x 512 "
                 "max_num_batched_tokens = 512)") in ffn_text  # fmt: skip
@@ -124,5 +109,3 @@ def test_ffn_serving_other_ffn_weights_is_refused(model_dir, tmp_path):
               f"started: {line.strip()[-260:]}")  # fmt: skip
     finally:
         su.stop_servers([attn])
-        su.stop_processes([ffn])
-    assert su.group_members(ffn.pid) == []
