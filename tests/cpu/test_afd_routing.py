@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-routing = pytest.importorskip("vllm.afd.routing")
+from vllm.afd import routing
 
 
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (37, 8, 2), (64, 64, 6),

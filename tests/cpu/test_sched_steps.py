@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import sched_steps  # benchmarks/sched_steps.py
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-import sched_steps  # noqa: E402
 
 PROMPTS, INPUT, OUTPUT = 8, 16, 8
 

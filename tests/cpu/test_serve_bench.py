@@ -45,8 +45,7 @@ def test_a_missing_model_directory_is_refused(tmp_path):
 def test_warmups_default_to_the_measured_request_count(tmp_path):
     """The warm-up sends as many requests as the measured run (at once), so it meets the
     run's batch sizes; an explicit count is kept."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    import serve as bench
+    import serve as bench  # benchmarks/serve.py
 
     base = ["--model", str(tmp_path), "--num-prompts", "12"]
     assert bench.parse_args(base).warmups == 12
@@ -59,8 +58,7 @@ def test_warmups_default_to_the_measured_request_count(tmp_path):
 def test_balanced_routing_reaches_every_server(tmp_path):
     """--routing balanced: plain and both AFD roles get the benchmark routing strategy (and
     their GPUs on CUDA); the default clears it, so the checkpoint's router runs."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    import serve as bench
+    import serve as bench  # benchmarks/serve.py
 
     import serve_util as su
 

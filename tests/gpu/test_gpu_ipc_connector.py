@@ -13,18 +13,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import serve_util as su  # noqa: E402
+import serve_util as su
 
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 

@@ -10,16 +10,11 @@ import hashlib
 import io
 import os
 import subprocess
-import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
 
 VERSION = "9.9.0"
 UPSTREAM = {

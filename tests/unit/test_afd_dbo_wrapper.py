@@ -10,13 +10,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-dbo = pytest.importorskip("vllm.afd.dbo")
-
-from vllm.config.afd import AFDConfig  # noqa: E402
-from vllm.v1.worker import ubatching  # noqa: E402
-from vllm.v1.worker.ubatch_utils import UBatchSlice  # noqa: E402
+from vllm.afd import dbo
+from vllm.config.afd import AFDConfig
+from vllm.v1.worker import ubatching
+from vllm.v1.worker.ubatch_utils import UBatchSlice
 
 
 def _vllm_config(role="attention", enable_dbo=True, decode=2, prefill=4):

@@ -6,11 +6,10 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
-torch = pytest.importorskip("torch")
-engine = pytest.importorskip("vllm.afd.engine")
-
-from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+from vllm.afd import engine
 
 
 def _worker(enable_dbo: bool):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
+import breakdown as bd  # benchmarks/breakdown.py
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import breakdown as bd  # noqa: E402
 
 
 def X(name, ts, dur, cat="user_annotation", tid=1):

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
+import moe_crossover as mc  # benchmarks/moe_crossover.py
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import moe_crossover as mc  # noqa: E402
+import torch
 
 DSV2 = mc.SHAPES["deepseek-v2-lite"]
 
@@ -58,7 +55,6 @@ def test_knee_tokens():
 
 
 def test_layer_reference_matches_per_token_experts():
-    torch = pytest.importorskip("torch")
     shape = mc.SHAPES["tiny"]
     layer = mc.Layer(shape, 1, "cpu", torch.float32)
     x = torch.randn(9, shape.hidden)
@@ -108,7 +104,6 @@ def test_routings_touch_the_experts_they_say():
 
 
 def test_layer_routings_on_cpu():
-    torch = pytest.importorskip("torch")
     shape = mc.SHAPES["tiny"]
     x = torch.randn(6, shape.hidden)
     col = mc.Layer(shape, 1, "cpu", torch.float32, routing="collapsed")

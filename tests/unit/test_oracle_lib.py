@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import oracle_lib  # tests/cpu/oracle_lib.py
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
-import oracle_lib  # noqa: E402
 
 
 def _out(*steps):

@@ -239,7 +239,8 @@ def test_real_pinned_series(tmp_path, monkeypatch, capsys):
     from afdtool.pin import cache_dir
 
     if not (cache_dir() / repo.pin.get("SDIST")).is_file():
-        pytest.skip(f"real sdist {repo.pin.get('SDIST')} not in the cache (run `make fetch`)")
+        pytest.fail(f"real sdist {repo.pin.get('SDIST')} is not in {cache_dir()}: run "
+                    "`make fetch`", pytrace=False)
     from afdtool.apply import build
     from afdtool.check import check
 

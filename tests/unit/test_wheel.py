@@ -7,17 +7,15 @@ import csv
 import hashlib
 import io
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
+from afdtool import wheel as W
+from afdtool.revision import patchset_revision
 
-from afdtool import wheel as W  # noqa: E402
-from afdtool.revision import patchset_revision  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 REV = "0123456789"
 TORCH_CPU_LINE = 'Requires-Dist: torch==2.11.0+cpu; platform_machine == "x86_64"'
@@ -252,7 +250,8 @@ def test_patchset_revision(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# The real upstream wheels + build/vllm (skipped when not present)
+# The real upstream wheels + build/vllm: `make test` and `make test-unit` fetch and build them
+# first; a run without them fails and names the command that brings them.
 
 
 def _real_inputs(variant: str):
@@ -262,9 +261,10 @@ def _real_inputs(variant: str):
     tree = REPO_ROOT / "build" / "vllm"
     up = cache_dir() / pin.get("WHEEL_CUDA" if variant == "cuda" else "WHEEL_CPU")
     if not (tree / ".git").exists():
-        pytest.skip("build/vllm is missing (run `make apply-patches`)")
+        pytest.fail("build/vllm is missing: run `make apply-patches`", pytrace=False)
     if not up.is_file():
-        pytest.skip(f"upstream wheel {up.name} is not cached (run `make fetch`)")
+        pytest.fail(f"upstream wheel {up.name} is not in {cache_dir()}: run `make fetch`",
+                    pytrace=False)
     return pin, tree, up
 
 
