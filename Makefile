@@ -65,13 +65,16 @@ bundle: wheel ## offline install bundle for the GPU host -> dist/bundle/ (parts 
 demo: models ## CPU: AFD (1 attention + 1 FFN server) vs plain vLLM, prints MATCH/MISMATCH
 	$(VPY) scripts/demo.py --model build/models/qwen3_moe
 
-test-unit: ## fast tests: tooling and AFD logic (no vLLM runtime)
-	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+# The unit tests run in the venv (torch, vLLM) against overlay/ as it is in the tree
+# (tests/conftest.py); test_real_wheel and test_real_pinned_series need the upstream wheels
+# and the sdist in the cache (`fetch`) and build/vllm (`venv` builds it).
+test-unit: fetch venv ## unit tests in the venv: tooling and AFD logic (overlay/ as in the tree)
+	$(VPY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 test-cpu: models ## real vLLM on the CPU: plain checkpoints and the AFD oracle
 	$(VPY) -m pytest -q tests/cpu $(PYTEST_ARGS)
 
-test: models ## everything CI runs: lint, make check, unit and CPU tests
+test: fetch models ## everything CI runs: lint, make check, unit and CPU tests
 	$(MAKE) lint
 	$(MAKE) check
 	$(VPY) -m pytest -q --durations=30 tests/unit tests/cpu $(PYTEST_ARGS)
