@@ -196,10 +196,18 @@ def test_hub_model_resolves_to_the_cached_snapshot(ckpt, tmp_path):
     load_config = SimpleNamespace(load_format="auto", download_dir=str(cache))
     assert ck.resolve_folder("org/tiny", None, str(cache)) == repo / "snapshots" / commit
     assert ck.checkpoint_identity(model_config, load_config) == ident(ckpt)
-    # not in the cache: the config vLLM parsed, weights not found
+    # not in the cache: the config vLLM parsed (without where and with what it was read),
+    # weights not found
     model_config.model = "org/absent"
     got = ck.checkpoint_identity(model_config, load_config)
     assert "config (as loaded) only: no weight files found" in got
+    parsed = {"hidden_size": 8, "_name_or_path": "/host/a", "transformers_version": "5.0"}
+    model_config.hf_config = SimpleNamespace(to_dict=lambda: dict(parsed))
+    first = ck.checkpoint_identity(model_config, load_config)
+    parsed.update(_name_or_path="/host/b", transformers_version="5.1")
+    assert ck.checkpoint_identity(model_config, load_config) == first
+    parsed["hidden_size"] = 16
+    assert ck.checkpoint_identity(model_config, load_config) != first
 
 
 def test_identity_of_the_tiny_checkpoints_is_fast():

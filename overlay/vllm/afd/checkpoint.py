@@ -205,5 +205,11 @@ def checkpoint_identity(model_config, load_config) -> str:
                             getattr(load_config, "download_dir", None))  # fmt: skip
     if folder is None and model != model_config.model:
         folder = resolve_folder(str(model_config.model))
-    config = model_config.hf_config.to_dict()
+    # Stands in for a missing config.json: the config vLLM parsed, without what names
+    # the place or the library it was read with.
+    config = {
+        k: v
+        for k, v in model_config.hf_config.to_dict().items()
+        if not k.startswith("_") and k != "transformers_version"
+    }
     return identity(folder, str(load_config.load_format).lower(), config)
