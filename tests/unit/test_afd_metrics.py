@@ -8,10 +8,10 @@ import subprocess
 import sys
 import time
 
+import prometheus_client
 import pytest
 
-metrics = pytest.importorskip("vllm.afd.metrics")
-prometheus_client = pytest.importorskip("prometheus_client")
+from vllm.afd import failure, metrics
 
 
 @pytest.fixture
@@ -220,7 +220,6 @@ def test_register_prometheus_only_for_afd_servers():
 
 # ------------------------------------------------------------- failure records
 def test_failure_record_reaches_this_servers_engine_dead_error(mdir):
-    failure = pytest.importorskip("vllm.afd.failure")
     from vllm.v1.engine.exceptions import EngineDeadError
 
     assert failure.engine_dead_detail() == ""
@@ -236,7 +235,6 @@ def test_failure_record_reaches_this_servers_engine_dead_error(mdir):
 
 
 def test_failure_records_of_other_servers_and_old_ones_are_ignored(mdir):
-    failure = pytest.importorskip("vllm.afd.failure")
     now = time.time()
     records = {
         "other": {"time": now, "message": "not ours", "ancestry": [999999, 999998]},

@@ -4,13 +4,11 @@ itself is replaced by a recorder; the GPU oracle covers real graphs."""
 
 from __future__ import annotations
 
-import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-ffn_runner = pytest.importorskip("vllm.afd.ffn_runner")
-
-from vllm.afd.protocol import MSG_STEP, Control, ubatch_flags  # noqa: E402
-from vllm.distributed.afd.base import StepPeer  # noqa: E402
+from vllm.afd import ffn_runner
+from vllm.afd.protocol import MSG_STEP, Control, ubatch_flags
+from vllm.distributed.afd.base import StepPeer
 
 
 class _Graph:
