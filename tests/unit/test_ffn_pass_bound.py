@@ -58,6 +58,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.profiler = None
         self.max_pass_tokens = bound
         self._pending = []
+        self.split_steps = 0
 
 
 @pytest.fixture(autouse=True)
@@ -101,7 +102,7 @@ def test_steps_beyond_the_bound_run_in_several_passes():
     r._run_step(steps(20, 30, 50))  # 100 tokens from 3 attention ranks; bound 64
     assert max(r.rows_per_call) <= BOUND
     assert r.rows_per_call == [50, 50, 50, 50]  # (20 + 30, then 50) x 2 layers
-    assert (r.steps_served, r.batched_steps) == (2, 1)
+    assert (r.steps_served, r.batched_steps, r.split_steps) == (2, 1, 1)
     # pass by pass, layer by layer, every rank got its own rows back (each layer
     # receives afresh: rank r's rows are r + 1, the block's output (r + 1) * 10 + layer)
     expected = [(r, [(r + 1) * 10.0 + layer] * n)
@@ -113,7 +114,8 @@ def test_steps_beyond_the_bound_run_in_several_passes():
 def test_steps_within_the_bound_share_one_pass():
     r = _Runner(_Conn())
     r._run_step(steps(16, 16, 32))
-    assert r.rows_per_call == [64, 64] and (r.steps_served, r.batched_steps) == (1, 1)
+    assert r.rows_per_call == [64, 64]
+    assert (r.steps_served, r.batched_steps, r.split_steps) == (1, 1, 0)
 
 
 # --------------------------------------------------------------------- FFN group
@@ -143,4 +145,4 @@ def test_an_ffn_group_member_holds_back_what_is_beyond_the_bound(monkeypatch):
         r._serve_group_once(0.0)
     assert served == [[(0, 20), (1, 30)], [(2, 50)]]
     assert conn.waits == 2  # the held-back step was served without waiting
-    assert r._pending == []
+    assert r._pending == [] and r.split_steps == 1

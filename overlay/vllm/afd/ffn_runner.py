@@ -111,6 +111,7 @@ class FFNModelRunner:
             int(vllm_config.scheduler_config.max_num_batched_tokens)
         )
         self._pending: list = []
+        self.split_steps = 0  # rounds of ready steps served in several passes
         self.model = None
         self.modules: dict[int, torch.nn.Module] = {}
         self.connector = None
@@ -354,6 +355,8 @@ class FFNModelRunner:
         """The held-back steps and then ``ready``, up to max_pass_tokens; the rest is
         held back for the next pass."""
         passes = split_passes(self._pending + ready, self.max_pass_tokens)
+        if len(passes) > 1 and not self._pending:
+            self._count_split(ready, len(passes))
         self._pending = [p for later in passes[1:] for p in later]
         return passes[0] if passes else []
 
@@ -409,8 +412,21 @@ class FFNModelRunner:
             for peer in ubatched:
                 self._run_ubatched(peer)
             ready = [p for p in ready if not ubatch_of(p.control.flags)[1]]
-        for peers in split_passes(ready, self.max_pass_tokens):
+        passes = split_passes(ready, self.max_pass_tokens)
+        if len(passes) > 1:
+            self._count_split(ready, len(passes))
+        for peers in passes:
             self._run_pass(peers)
+
+    def _count_split(self, ready, n: int) -> None:
+        if not self.split_steps:
+            logger.info(
+                "AFD FFN role: %d tokens of %d attention ranks ready at once, served in %d "
+                "passes of at most %d tokens (connector_extra_config.ffn_max_tokens_per_pass); "
+                "logged once", sum(p.control.num_tokens for p in ready), len(ready), n,
+                self.max_pass_tokens,
+            )  # fmt: skip
+        self.split_steps += 1
 
     def _run_pass(self, ready) -> None:
         """One pass: the steps of ``ready`` (at most max_pass_tokens) share every layer."""
