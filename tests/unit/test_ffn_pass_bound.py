@@ -9,12 +9,11 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-ffn_runner = pytest.importorskip("vllm.afd.ffn_runner")
-
-from vllm.afd import protocol as P  # noqa: E402
-from vllm.distributed.afd.base import StepPeer  # noqa: E402
+from vllm.afd import ffn_runner
+from vllm.afd import protocol as P
+from vllm.distributed.afd.base import StepPeer
 
 HIDDEN = 4
 BOUND = 64
