@@ -33,7 +33,7 @@ def fingerprint(**changes) -> dict:
         "ffn_layers": [0, 1, 2, 3],
         "ffn_blocks": "0-3:LlamaMLP",
         "num_experts": None,
-        "mlp_config": "hidden_act=\"silu\",intermediate_size=128",
+        "mlp_config": 'hidden_act="silu",intermediate_size=128',
         "dtype": "float32",
         "num_attention_ranks": 1,
         "num_ffn_ranks": 1,
@@ -108,7 +108,9 @@ def test_control_unknown_type(mtype):
 @pytest.mark.parametrize("num_tokens", [0, 9, 2**32 - 1])
 def test_control_step_tokens_out_of_range(num_tokens):
     data = P.Control(P.MSG_STEP, 1, num_tokens).pack()
-    with pytest.raises(P.AFDProtocolError, match=rf"step with {num_tokens} tokens is outside 1\.\.8"):
+    with pytest.raises(
+        P.AFDProtocolError, match=rf"step with {num_tokens} tokens is outside 1\.\.8"
+    ):
         P.Control.unpack(data, 8)
 
 
@@ -291,3 +293,61 @@ def test_control_profile_round_trip(start):
     got = P.Control.unpack(ctrl.pack(), 8)
     assert got.type == P.MSG_PROFILE and bool(got.flags) is start
     assert P.MSG_TYPES[P.MSG_PROFILE] == "profile"
+
+
+# ------------------------------------------------ numbers and text from a peer
+def test_hello_with_a_huge_integer_is_a_protocol_error():
+    """Python refuses to convert integers past int_max_str_digits (ValueError)."""
+    body = b'{"role": "attention", "rank": ' + b"7" * 5000 + b"}"
+    with pytest.raises(P.AFDProtocolError, match="hello is not JSON: Exceeds the limit"):
+        P.parse_hello(body)
+
+
+def test_deeply_nested_hello_is_a_protocol_error():
+    depth = 100_000
+    with pytest.raises(P.AFDProtocolError, match="hello is not JSON"):
+        P.parse_hello(b"[" * depth + b"]" * depth)
+
+
+def test_printable_escapes_control_characters_and_bounds_length():
+    text = "ok\nERROR forged\r\x1b[31m\u202e" + "x" * 1000
+    shown = P.printable(text, limit=40)
+    assert shown.startswith("ok\\nERROR forged\\r\\x1b[31m\\u202e")
+    assert shown.endswith(f"... ({len(text)} characters)")
+    assert all(c.isprintable() for c in shown) and len(shown) < 80
+    assert P.printable(None) == "None" and P.printable("plain") == "plain"
+
+
+def test_fingerprint_mismatch_bounds_a_peer_value():
+    remote = fingerprint(architecture="A" * 10_000 + "\n")
+    msg = P.fingerprint_mismatch(fingerprint(), remote)
+    assert "'architecture'" in msg and "\n" not in msg and len(msg) < 400
+
+
+# -------------------------------------------------------- authentication
+def test_nonces_are_fresh_hex():
+    a, b = P.new_nonce(), P.new_nonce()
+    assert a != b and P.is_nonce(a) and len(a) == 2 * P.NONCE_BYTES
+    for bad in (None, 5, "", "g" * 32, a.upper(), a + "0"):
+        assert not P.is_nonce(bad)
+
+
+def test_auth_proof_binds_prover_ranks_and_both_nonces():
+    na, nf = P.new_nonce(), P.new_nonce()
+    proof = P.auth_proof("secret", "attention", 0, 0, na, nf)
+    assert P.proof_matches(proof, proof)
+    others = [
+        P.auth_proof("other", "attention", 0, 0, na, nf),
+        P.auth_proof("secret", "ffn", 0, 0, na, nf),  # no reflection of one side's proof
+        P.auth_proof("secret", "attention", 1, 0, na, nf),
+        P.auth_proof("secret", "attention", 0, 1, na, nf),
+        P.auth_proof("secret", "attention", 0, 0, na, P.new_nonce()),  # a replay
+        P.auth_proof("secret", "attention", 0, 0, P.new_nonce(), nf),
+    ]
+    assert len({proof, *others}) == 7
+    assert not any(P.proof_matches(proof, o) for o in others)
+
+
+@pytest.mark.parametrize("got", [None, 5, ["x"], "\u00e9" * 64, "\ud800", ""])
+def test_proof_matches_any_json_value_without_raising(got):
+    assert not P.proof_matches(P.auth_proof("s", "ffn", 0, 0, "a" * 32, "b" * 32), got)

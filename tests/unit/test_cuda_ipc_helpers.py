@@ -40,10 +40,9 @@ def test_graph_and_dbo_capability_agree_with_the_config_lists():
     from vllm.config.afd import DBO_CONNECTORS, GRAPH_CAPABLE_CONNECTORS
     from vllm.distributed.afd import base, tcp
 
-    base._ensure_builtin()
-    assert {"gloo", "nccl", "cuda_ipc"} <= set(base._ATTENTION)
-    for name in base._ATTENTION:
-        for cls in (base._ATTENTION[name], base._FFN[name]):
+    assert {"gloo", "nccl", "cuda_ipc"} <= set(base.connector_names())
+    for name in base.connector_names():
+        for cls in base.connector_classes(name):
             assert cls.graph_capable == (name in GRAPH_CAPABLE_CONNECTORS), (name, cls)
             assert cls.dbo_capable == (name in DBO_CONNECTORS), (name, cls)
     with pytest.raises(ValueError, match="graph_capable=True but 'not_listed' is not in"):
@@ -51,7 +50,8 @@ def test_graph_and_dbo_capability_agree_with_the_config_lists():
     # TCP classes serve micro-batches: a name outside DBO_CONNECTORS is refused
     with pytest.raises(ValueError, match="dbo_capable=True but 'tcp_copy' is not in"):
         base.register_connector("tcp_copy", tcp.TCPAttentionConnector, tcp.TCPFFNConnector)
-    assert "not_listed" not in base._ATTENTION and "tcp_copy" not in base._ATTENTION
+    assert "not_listed" not in base.connector_names()
+    assert "tcp_copy" not in base.connector_names()
 
 
 def test_inbox_holds_hidden_states_and_router_logits_of_the_largest_step():

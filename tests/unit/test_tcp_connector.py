@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import sys
 import threading
 import time
@@ -20,180 +19,31 @@ torch = pytest.importorskip("torch")
 tcp = pytest.importorskip("vllm.distributed.afd.tcp")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import tcp_lib  # noqa: E402
+from tcp_lib import (  # noqa: E402
+    HIDDEN,
+    HOST,
+    MAX_TOKENS,
+    TIMEOUT,
+    Bg,
+    assert_dropped,
+    connected_pair,
+    fingerprint,
+    kill,
+    make_ctx,
+    step_to_ffn,
+    wait_peers,
+    wait_until,
+)
+
 from serve_util import free_port  # noqa: E402
 from vllm.afd import protocol as P  # noqa: E402
-from vllm.config.afd import AFDConfig  # noqa: E402
 from vllm.distributed.afd.base import (  # noqa: E402
-    ConnectorContext,
     create_attention_connector,
     create_ffn_connector,
 )
 
-HOST = "127.0.0.1"
-HIDDEN = 16
-MAX_TOKENS = 64
-TIMEOUT = 2.0
-
-
-def fingerprint(**changes) -> dict:
-    fp = {
-        "protocol": P.PROTOCOL_VERSION,
-        "architecture": "LlamaForCausalLM",
-        "num_hidden_layers": 2,
-        "hidden_size": HIDDEN,
-        "ffn_layers": [0, 1],
-        "ffn_blocks": "0-1:LlamaMLP",
-        "num_experts": None,
-        "mlp_config": "intermediate_size=32",
-        "dtype": "float32",
-        "num_attention_ranks": 1,
-        "num_ffn_ranks": 1,
-        "connector": "gloo",
-        "compute_gate_on_attention": False,
-        "max_num_tokens": MAX_TOKENS,
-        "afd_revision": "unit-test",
-        "checkpoint": "0123456789abcdef01234567 (config.json + 1 safetensors file)",
-    }
-    assert set(fp) == set(P.FINGERPRINT_KEYS)
-    fp.update(changes)
-    return fp
-
-
-def make_ctx(role, port, rank=0, m=1, n=1, timeout=TIMEOUT, extra=None, **fp_changes):
-    cfg = AFDConfig.from_dict(
-        {
-            "role": role,
-            "connector": "tcp",
-            "host": HOST,
-            "port": port,
-            "num_attention_ranks": m,
-            "num_ffn_ranks": n,
-            "timeout_s": timeout,
-            "connector_extra_config": extra or {},
-        }
-    )
-    fp = fingerprint(num_attention_ranks=m, num_ffn_ranks=n, **fp_changes)
-    return ConnectorContext(
-        config=cfg, rank=rank, fingerprint=fp, max_num_tokens=MAX_TOKENS,
-        device=torch.device("cpu"),
-    )
-
-
-class Bg(threading.Thread):
-    """Run fn in a thread; get() returns its result or re-raises its exception."""
-
-    def __init__(self, fn, *args):
-        super().__init__(daemon=True)
-        self.fn, self.args = fn, args
-        self.result = None
-        self.exc: BaseException | None = None
-        self.start()
-
-    def run(self):
-        try:
-            self.result = self.fn(*self.args)
-        except BaseException as e:
-            self.exc = e
-
-    def get(self, timeout=10.0):
-        self.join(timeout)
-        assert not self.is_alive(), f"{self.fn} still running after {timeout} s"
-        if self.exc is not None:
-            raise self.exc
-        return self.result
-
-
-@pytest.fixture
-def net():
-    """Builds connectors and closes every one of them (and raw sockets) at the end."""
-
-    class Net:
-        def __init__(self):
-            self.items = []
-
-        def ffn(self, port, **kw):
-            c = tcp.TCPFFNConnector(make_ctx("ffn", port, **kw))
-            self.items.append(c)
-            return c
-
-        def attention(self, port, **kw):
-            c = tcp.TCPAttentionConnector(make_ctx("attention", port, **kw))
-            self.items.append(c)
-            return c
-
-        def raw(self, port):
-            s = socket.create_connection((HOST, port), timeout=5)
-            self.items.append(s)
-            return s
-
-    n = Net()
-    yield n
-    for item in reversed(n.items):
-        if isinstance(item, tcp.TCPFFNConnector) and item.listener is not None:
-            # let the accept thread get going first (see test_close_right_after_start)
-            wait_until(lambda lst=item.listener: lst.gettimeout() == 0.5, 2.0)
-        try:
-            item.close()
-        except Exception:
-            pass
-
-
-def connected_pair(net, port=None, **kw):
-    port = port or free_port()
-    ffn = net.ffn(port, **kw)
-    ffn.start()
-    att = net.attention(port, **kw)
-    Bg(att.connect).get()
-    wait_until(lambda: 0 in ffn.peers)
-    return ffn, att
-
-
-def wait_until(pred, timeout=5.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"{what} not reached within {timeout} s")
-
-
-def wait_peers(ffn, ranks, timeout=5.0):
-    """wait_step until step peers of all `ranks` were seen (bounded)."""
-    seen = {}
-    deadline = time.monotonic() + timeout
-    while set(seen) != set(ranks):
-        assert time.monotonic() < deadline, f"saw step peers {sorted(seen)}, wanted {ranks}"
-        for p in ffn.wait_step(0.1):
-            seen[p.rank] = p
-    return seen
-
-
-def step_to_ffn(ffn, att, step_id: int, n: int):
-    """Attention begins a step and sends one layer of n random rows; the FFN receives it.
-    Returns (step peer, the rows sent, the rows received)."""
-    att.begin_step(step_id, n)
-    (peer,) = wait_peers(ffn, [0]).values()
-    x = torch.randn(n, HIDDEN)
-    att.send(x)
-    buf = torch.empty(n, HIDDEN)
-    ffn.recv(peer, buf)
-    return peer, x, buf
-
-
-def assert_dropped(sock: socket.socket, timeout: float = 5.0) -> None:
-    """The FFN closed this stranger's connection without answering (EOF or reset)."""
-    sock.settimeout(timeout)
-    try:
-        data = sock.recv(100)
-    except ConnectionResetError:
-        return
-    assert data == b""
-
-
-def kill(sock: socket.socket, rst: bool) -> None:
-    if rst:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
+net = tcp_lib.net  # the fixture
 
 
 # ------------------------------------------------------------------ registry
@@ -550,8 +400,11 @@ def test_fingerprint_mismatch_fails_attention_and_ffn_at_its_timeout(net):
     assert f"{HOST}:{port}" in msg
     assert att.sock is None
     assert ffn.wait_step(0.1) == []  # still waiting for the right peer
-    with pytest.raises(P.AFDPeerError, match=r"did not connect within timeout_s=1\.5\. Last "
-                       r"refused hello: AFD fingerprint mismatch on 'num_hidden_layers'"):
+    with pytest.raises(
+        P.AFDPeerError,
+        match=r"did not connect within timeout_s=1\.5\. Last "
+        r"refused hello: AFD fingerprint mismatch on 'num_hidden_layers'",
+    ):
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             ffn.wait_step(0.1)
@@ -761,12 +614,18 @@ def test_shared_secret_mismatch_refused(net, monkeypatch):
     ffn = net.ffn(port, timeout=5.0)  # reads VLLM_AFD_SECRET
     ffn.start()
     att = net.attention(port, timeout=5.0, extra={"secret_env": "AFD_TEST_OTHER_SECRET"})
-    with pytest.raises(P.AFDHandshakeError, match=r"authentication failed \(shared secret differs\)"):
+    with pytest.raises(
+        P.AFDHandshakeError, match=r"authentication failed \(shared secret differs\)"
+    ):
         Bg(att.connect).get()
-    # no secret at all (the named variable is unset) is refused as well
+    # no secret at all (the named variable is unset) is refused as well, naming it
     monkeypatch.delenv("AFD_TEST_UNSET_SECRET", raising=False)
     nosecret = net.attention(port, timeout=5.0, extra={"secret_env": "AFD_TEST_UNSET_SECRET"})
-    with pytest.raises(P.AFDHandshakeError, match="authentication failed"):
+    with pytest.raises(
+        P.AFDHandshakeError,
+        match="requires authentication but this attention "
+        "rank has no shared secret: set AFD_TEST_UNSET_SECRET",
+    ):
         Bg(nosecret.connect).get()
     # a refused stranger is not fatal: the FFN still takes the right attention rank
     assert ffn.wait_step(0.1) == []
@@ -950,8 +809,10 @@ def test_profile_requests_reach_the_ffn_between_steps(net):
     assert torch.equal(att.recv(torch.empty(2, HIDDEN)), x * 2)
     att.end_step()
     att.profile(False)
-    wait_until(lambda: ffn.wait_step(0.05) == [] and ffn._profile_requests == [False],
-               what="profile stop request")
+    wait_until(
+        lambda: ffn.wait_step(0.05) == [] and ffn._profile_requests == [False],
+        what="profile stop request",
+    )
     assert ffn.take_profile_requests() == [False]
 
 
@@ -981,5 +842,7 @@ def test_dropped_strangers_count_as_handshake_failures(net):
     s = net.raw(ffn.addr[1])
     s.sendall(b"GET / HTTP/1.0\r\n\r\n")
     assert_dropped(s)
-    wait_until(lambda: metrics.STATS.counters["handshake_failures"] == before + 1,
-               what="handshake failure counted")
+    wait_until(
+        lambda: metrics.STATS.counters["handshake_failures"] == before + 1,
+        what="handshake failure counted",
+    )

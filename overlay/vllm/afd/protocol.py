@@ -4,7 +4,9 @@
 Nothing received from the network is unpickled or evaluated:
 
 * hello: 8-byte preamble (magic ``AFDH`` + u32 length) then a JSON object of
-  at most ``MAX_HELLO_BYTES`` (plain str/int/float/bool values only);
+  at most ``MAX_HELLO_BYTES`` (plain str/int/float/bool values only); with a
+  shared secret on both sides the handshake adds a challenge-response round
+  (``auth_proof``, see docs/connectors.md);
 * control: one fixed-size little-endian struct (``CONTROL``) per message;
 * data: raw tensor bytes whose size both sides derive from the control
   message and the agreed fingerprint, never from the data itself.
@@ -12,14 +14,28 @@ Nothing received from the network is unpickled or evaluated:
 
 from __future__ import annotations
 
+import hmac
 import json
+import secrets
 import struct
 from dataclasses import dataclass
 
 HELLO_MAGIC = b"AFDH"
 HELLO_PREAMBLE = struct.Struct("<4sI")
 MAX_HELLO_BYTES = 64 * 1024
-PROTOCOL_VERSION = 3  # 3: micro-batched (DBO) steps
+# 3: micro-batched (DBO) steps; 4: challenge-response authentication (nonces,
+# both sides prove the secret), step ids checked by the FFN rank
+PROTOCOL_VERSION = 4
+
+# Hello "status" values; any other status is a refusal (its text says why).
+STATUS_OK = "ok"
+STATUS_CHALLENGE = "challenge"  # FFN -> attention: prove the secret for this nonce
+STATUS_BUSY = "busy"  # FFN -> attention: too many handshakes at once, try again
+# Hello "auth" values: does this side hold a shared secret (and so require the
+# other side to prove it)?
+AUTH_REQUIRED = "required"
+AUTH_NONE = "none"
+NONCE_BYTES = 16
 
 # magic, type, step id, number of tokens, flags, reserved
 CONTROL = struct.Struct("<4sIQIII")
@@ -109,9 +125,7 @@ class Control:
         if mtype not in MSG_TYPES:
             raise AFDProtocolError(f"unknown control message type {mtype}")
         if mtype == MSG_STEP and not 0 < num_tokens <= max_num_tokens:
-            raise AFDProtocolError(
-                f"step with {num_tokens} tokens is outside 1..{max_num_tokens}"
-            )
+            raise AFDProtocolError(f"step with {num_tokens} tokens is outside 1..{max_num_tokens}")
         if mtype == MSG_STEP and flags and (flags >> 16 or not _is_ubatch(*ubatch_of(flags))):
             raise AFDProtocolError(f"step with bad micro-batch flags {flags:#x}")
         return cls(mtype, step_id, num_tokens, flags)
@@ -136,8 +150,10 @@ def unpack_hello_preamble(data: bytes) -> int:
 def parse_hello(body: bytes) -> dict:
     try:
         payload = json.loads(body.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AFDProtocolError(f"hello is not JSON: {e}") from e
+    except (ValueError, RecursionError) as e:
+        # ValueError: not UTF-8, not JSON, or an integer past Python's
+        # int_max_str_digits; RecursionError: nested too deep.
+        raise AFDProtocolError(f"hello is not JSON: {printable(str(e), 200)}") from e
     if not isinstance(payload, dict):
         raise AFDProtocolError("hello is not a JSON object")
     scalar = (str, int, float, bool, type(None))
@@ -156,6 +172,60 @@ def fingerprint_mismatch(local: dict, remote: dict) -> str | None:
         if local.get(key) != remote.get(key):
             return (
                 f"AFD fingerprint mismatch on '{key}': this side has "
-                f"{local.get(key)!r}, the peer has {remote.get(key)!r}"
+                f"{shown(local.get(key))}, the peer has {shown(remote.get(key))}"
             )
     return None
+
+
+def printable(text: object, limit: int = 300) -> str:
+    """``text`` fit for a log line or an error message: control and other
+    non-printable characters escaped (as in ``repr``), at most ``limit``
+    characters of it kept. For text that came from a peer."""
+    text = text if isinstance(text, str) else repr(text)
+    kept = text[:limit]
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in kept)
+    if len(text) > limit:
+        out += f"... ({len(text)} characters)"
+    return out
+
+
+def shown(value: object, limit: int = 200) -> str:
+    """``repr`` of a value from a peer, bounded (see ``printable``)."""
+    return printable(repr(value), limit)
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def is_nonce(value: object) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value) == 2 * NONCE_BYTES
+        and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def auth_proof(
+    secret: str,
+    prover: str,
+    attention_rank: int,
+    ffn_rank: int,
+    attention_nonce: str,
+    ffn_nonce: str,
+) -> str:
+    """HMAC-SHA256 by which ``prover`` ("attention" or "ffn") shows that it holds
+    the shared secret, over both sides' fresh nonces of this connection (so a
+    recorded answer is worth nothing on the next one) and whom it speaks for."""
+    msg = "|".join((
+        f"AFD-AUTH-v{PROTOCOL_VERSION}", prover, f"attention={attention_rank}",
+        f"ffn={ffn_rank}", attention_nonce, ffn_nonce,
+    ))  # fmt: skip
+    return hmac.new(secret.encode(), msg.encode(), "sha256").hexdigest()
+
+
+def proof_matches(expected: str, got: object) -> bool:
+    """Constant-time comparison of a proof received from a peer (any JSON value)."""
+    if not isinstance(got, str):
+        return False
+    return hmac.compare_digest(expected.encode(), got.encode("utf-8", "replace"))

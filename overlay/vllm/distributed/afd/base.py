@@ -6,10 +6,15 @@ attention side holds an :class:`AttentionConnector` (one FFN peer); the FFN
 side holds an :class:`FFNConnector` (its M/N attention peers). Control
 messages are fixed-size (see ``vllm.afd.protocol``); data sizes are agreed
 from them, so nothing is ever received into a buffer of unknown size.
+
+The classes below declare everything the roles call (``vllm.afd.attention``,
+``vllm.afd.dbo``, ``vllm.afd.ffn_runner``). Connectors are registered by name
+and module path and imported on first use (:func:`create_connector`).
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,8 +53,18 @@ class AttentionConnector(ABC):
         """Reach the FFN rank and handshake; raise within timeout_s."""
 
     @abstractmethod
-    def begin_step(self, step_id: int, num_tokens: int) -> None:
-        """Send the step-control message of one forward pass."""
+    def begin_step(
+        self,
+        step_id: int,
+        num_tokens: int,
+        ubatch: tuple[int, int] | None = None,
+        ubatch_tokens: list[int] | None = None,
+    ) -> None:
+        """Send the step-control message of one forward pass. ``ubatch``:
+        (index, count) when this opens micro-batch ``index`` of a DBO step (the
+        micro-batches of a step share ``step_id``); ``ubatch_tokens``: the token
+        counts of all micro-batches of the step (for connectors that announce
+        them up front). Step ids grow from step to step."""
 
     @abstractmethod
     def send(self, x: torch.Tensor) -> None:
@@ -58,6 +73,14 @@ class AttentionConnector(ABC):
     @abstractmethod
     def recv(self, out: torch.Tensor) -> torch.Tensor:
         """Receive one layer's FFN output into ``out`` and return it."""
+
+    def recv_start(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """DBO: start receiving one layer's FFN output into ``out``; the returned
+        ``wait()`` gives it. Connectors with ``dbo_capable = True`` implement it."""
+        raise NotImplementedError(
+            f"the AFD connector {self.ctx.config.connector!r} does not serve micro-batched "
+            "(DBO) steps"
+        )
 
     @abstractmethod
     def end_step(self) -> None:
@@ -89,7 +112,12 @@ class StepPeer:
 class FFNConnector(ABC):
     graph_capable = False
     dbo_capable = False
-    generation = 0  # see IPCFFNConnector.generation
+    # True when micro-batch 0's control message announces every micro-batch of
+    # a DBO step, so recv_control answers without waiting (cuda_ipc).
+    ubatch_controls_upfront = False
+    # Bumped whenever an attention rank (re)joins with new device buffers:
+    # graphs captured before hold the previous session's addresses.
+    generation = 0
 
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
@@ -102,6 +130,14 @@ class FFNConnector(ABC):
     def wait_step(self, timeout: float) -> list[StepPeer]:
         """Attention ranks whose step-control message has arrived (may be
         empty after ``timeout``). Raises on a dead or silent peer."""
+
+    def recv_control(self, peer: StepPeer) -> Control:
+        """DBO: the control message of the next micro-batch of the step ``peer``
+        opened. Connectors with ``dbo_capable = True`` implement it."""
+        raise NotImplementedError(
+            f"the AFD connector {self.ctx.config.connector!r} does not serve micro-batched "
+            "(DBO) steps"
+        )
 
     @abstractmethod
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
@@ -124,8 +160,18 @@ class FFNConnector(ABC):
         return {}
 
 
-_ATTENTION: dict[str, Callable[[ConnectorContext], AttentionConnector]] = {}
-_FFN: dict[str, Callable[[ConnectorContext], FFNConnector]] = {}
+ROLES = ("attention", "ffn")
+
+# name -> (module path, attention class name, FFN class name): imported on first use.
+_LAZY: dict[str, tuple[str, str, str]] = {}
+# name -> (attention class, FFN class), checked against the config lists.
+_LOADED: dict[str, tuple[type, type]] = {}
+
+
+def register_connector_module(name: str, module: str, attention_class: str, ffn_class: str) -> None:
+    """Register connector ``name`` by module path; the module is imported the
+    first time the connector is created."""
+    _LAZY[name] = (module, attention_class, ffn_class)
 
 
 def register_connector(
@@ -133,6 +179,13 @@ def register_connector(
     attention_cls: Callable[[ConnectorContext], AttentionConnector],
     ffn_cls: Callable[[ConnectorContext], FFNConnector],
 ) -> None:
+    """Register connector ``name`` by its classes (a connector module calls this
+    for itself when it is imported)."""
+    _check_capabilities(name, attention_cls, ffn_cls)
+    _LOADED[name] = (attention_cls, ffn_cls)
+
+
+def _check_capabilities(name: str, attention_cls, ffn_cls) -> None:
     # The config layer (which imports no connector) decides from
     # GRAPH_CAPABLE_CONNECTORS whether the attention role may keep CUDA graphs and
     # from DBO_CONNECTORS whether it may micro-batch; the roles read the classes'
@@ -151,38 +204,48 @@ def register_connector(
                     f"{has} but {name!r} is {'' if listed else 'not '}in "
                     f"vllm.config.afd.{listing}"
                 )
-    _ATTENTION[name] = attention_cls
-    _FFN[name] = ffn_cls
 
 
-def _ensure_builtin() -> None:
-    if "gloo" not in _ATTENTION:
-        from vllm.distributed.afd import tcp  # noqa: F401  (registers itself)
-    if "nccl" not in _ATTENTION:
-        from vllm.distributed.afd import nccl  # noqa: F401
-    if "cuda_ipc" not in _ATTENTION:
-        from vllm.distributed.afd import cuda_ipc  # noqa: F401
+def connector_names() -> list[str]:
+    return sorted(set(_LAZY) | set(_LOADED))
+
+
+def connector_classes(name: str) -> tuple[type, type]:
+    """(attention class, FFN class) of connector ``name``, importing its module
+    on first use."""
+    if name not in _LOADED:
+        if name not in _LAZY:
+            raise ValueError(
+                f"no AFD connector named {name!r} (available: {', '.join(connector_names())})"
+            )
+        module, attention_class, ffn_class = _LAZY[name]
+        mod = importlib.import_module(module)
+        register_connector(name, getattr(mod, attention_class), getattr(mod, ffn_class))
+    return _LOADED[name]
+
+
+def create_connector(ctx: ConnectorContext, role: str) -> AttentionConnector | FFNConnector:
+    """The connector of ``ctx.config.connector`` for ``role`` ("attention" or "ffn")."""
+    if role not in ROLES:
+        raise ValueError(f"AFD connector role must be one of {ROLES}; got {role!r}")
+    attention_cls, ffn_cls = connector_classes(ctx.config.connector)
+    return (attention_cls if role == "attention" else ffn_cls)(ctx)
 
 
 def create_attention_connector(ctx: ConnectorContext) -> AttentionConnector:
-    _ensure_builtin()
-    try:
-        cls = _ATTENTION[ctx.config.connector]
-    except KeyError:
-        raise ValueError(
-            f"no AFD connector named {ctx.config.connector!r} "
-            f"(available: {', '.join(sorted(_ATTENTION))})"
-        ) from None
-    return cls(ctx)
+    return create_connector(ctx, "attention")
 
 
 def create_ffn_connector(ctx: ConnectorContext) -> FFNConnector:
-    _ensure_builtin()
-    try:
-        cls = _FFN[ctx.config.connector]
-    except KeyError:
-        raise ValueError(
-            f"no AFD connector named {ctx.config.connector!r} "
-            f"(available: {', '.join(sorted(_ATTENTION))})"
-        ) from None
-    return cls(ctx)
+    return create_connector(ctx, "ffn")
+
+
+register_connector_module(
+    "gloo", "vllm.distributed.afd.tcp", "TCPAttentionConnector", "TCPFFNConnector"
+)
+register_connector_module(
+    "nccl", "vllm.distributed.afd.nccl", "NCCLAttentionConnector", "NCCLFFNConnector"
+)
+register_connector_module(
+    "cuda_ipc", "vllm.distributed.afd.cuda_ipc", "IPCAttentionConnector", "IPCFFNConnector"
+)

@@ -62,13 +62,10 @@ from vllm.afd.protocol import (
 )
 from vllm.config.afd import IPC_MAX_UBATCHES
 from vllm.distributed.afd.base import ConnectorContext, StepPeer, register_connector
-from vllm.distributed.afd.tcp import (
-    TCPAttentionConnector,
-    TCPFFNConnector,
-    _Peer,
-    _recv_bytes,
-    _send_all,
-)
+from vllm.distributed.afd.channel import Peer as _Peer
+from vllm.distributed.afd.channel import recv_bytes as _recv_bytes
+from vllm.distributed.afd.channel import send_all as _send_all
+from vllm.distributed.afd.tcp import TCPAttentionConnector, TCPFFNConnector
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)

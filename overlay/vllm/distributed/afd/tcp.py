@@ -3,7 +3,9 @@
 
 Plain sockets rather than a torch Gloo process group: every read has a
 deadline, a dead peer shows up as EOF/reset at once, sizes are bounded, and a
-stranger on the port is dropped without touching the running deployment.
+stranger on the port is dropped without touching the running deployment. The
+framing lives in ``vllm.distributed.afd.channel``; the handshake (hello,
+optional challenge-response authentication, fingerprint) is here.
 
 Rank layout: FFN rank ``f`` listens on ``host:port+f`` and serves attention
 ranks ``f*k .. f*k+k-1`` with ``k = num_attention_ranks / num_ffn_ranks``.
@@ -12,33 +14,41 @@ ranks ``f*k .. f*k+k-1`` with ``k = num_attention_ranks / num_ffn_ranks``.
 from __future__ import annotations
 
 import concurrent.futures
-import hmac
+import contextlib
 import os
-import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from vllm.afd import metrics
 from vllm.afd.protocol import (
+    AUTH_NONE,
+    AUTH_REQUIRED,
     CONTROL,
-    HELLO_PREAMBLE,
     MSG_GOODBYE,
     MSG_HEARTBEAT,
     MSG_PROFILE,
     MSG_STEP,
+    PROTOCOL_VERSION,
+    STATUS_BUSY,
+    STATUS_CHALLENGE,
+    STATUS_OK,
     AFDHandshakeError,
     AFDPeerError,
     AFDProtocolError,
     Control,
+    auth_proof,
     fingerprint_mismatch,
+    is_nonce,
+    new_nonce,
     pack_hello,
-    parse_hello,
+    printable,
+    proof_matches,
+    shown,
     ubatch_flags,
-    unpack_hello_preamble,
 )
 from vllm.distributed.afd.base import (
     AttentionConnector,
@@ -47,69 +57,32 @@ from vllm.distributed.afd.base import (
     StepPeer,
     register_connector,
 )
+from vllm.distributed.afd.channel import (
+    Peer,
+    readable,
+    recv_bytes,
+    recv_hello,
+    recv_tensor,
+    send_all,
+    send_hello,
+    send_tensor,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# The FFN's answer to a hello with a secret on its side only.
+AUTH_MISSING = (
+    "authentication failed (this FFN server requires a shared secret; the attention "
+    "rank offered none)"
+)
+AUTH_DIFFERS = "authentication failed (shared secret differs)"
 
-def _secret(ctx: ConnectorContext) -> str | None:
+
+def shared_secret(ctx: ConnectorContext) -> tuple[str, str | None]:
+    """(name of the variable, its value or None when unset or empty)."""
     env = ctx.config.connector_extra_config.get("secret_env", "VLLM_AFD_SECRET")
-    return os.environ.get(env) or None
-
-
-def _recv_exact_into(sock: socket.socket, view: memoryview, deadline: float, peer: str) -> None:
-    got = 0
-    n = len(view)
-    while got < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise AFDPeerError(f"AFD peer {peer} did not answer within the timeout")
-        try:
-            sock.settimeout(remaining)
-            k = sock.recv_into(view[got:], n - got)
-        except TimeoutError:
-            raise AFDPeerError(f"AFD peer {peer} did not answer within the timeout") from None
-        except OSError as e:
-            raise AFDPeerError(f"lost AFD peer {peer}: {e}") from e
-        if k == 0:
-            raise AFDPeerError(f"lost AFD peer {peer}: connection closed")
-        got += k
-
-
-def _recv_bytes(sock: socket.socket, n: int, deadline: float, peer: str) -> bytes:
-    buf = bytearray(n)
-    _recv_exact_into(sock, memoryview(buf), deadline, peer)
-    return bytes(buf)
-
-
-def _tensor_view(t: torch.Tensor) -> memoryview:
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """Bytes to send: device tensors are staged through host memory."""
-    return t.contiguous() if t.device.type == "cpu" else t.contiguous().cpu()
-
-
-def _recv_tensor(sock, out: torch.Tensor, deadline: float, peer: str) -> None:
-    if out.device.type == "cpu" and out.is_contiguous():
-        _recv_exact_into(sock, _tensor_view(out), deadline, peer)
-        return
-    staging = torch.empty(out.shape, dtype=out.dtype, device="cpu")
-    _recv_exact_into(sock, _tensor_view(staging), deadline, peer)
-    out.copy_(staging)
-
-
-def _send_all(sock: socket.socket, data, timeout: float, peer: str) -> None:
-    try:
-        sock.settimeout(timeout)
-        sock.sendall(data)
-    except TimeoutError:
-        raise AFDPeerError(f"AFD peer {peer} stopped reading (send timed out)") from None
-    except OSError as e:
-        raise AFDPeerError(f"lost AFD peer {peer}: {e}") from e
+    return env, os.environ.get(env) or None
 
 
 def _self_connected(sock: socket.socket) -> bool:
@@ -137,11 +110,32 @@ def _hello_payload(ctx: ConnectorContext, role: str) -> dict:
     return payload
 
 
-def _auth_token(secret: str | None, payload: dict) -> str:
-    if not secret:
-        return ""
-    msg = f"{payload['role']}:{payload['rank']}:{payload['afd_revision']}".encode()
-    return hmac.new(secret.encode(), msg, "sha256").hexdigest()
+class _Throttle:
+    """At most one log line per ``every`` seconds; the next one counts the lines
+    left out (a flood must not fill the log)."""
+
+    def __init__(self, every: float = 10.0):
+        self.every = every
+        self._next = 0.0
+        self._skipped = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, log: Callable[..., None], msg: str, *args) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._skipped += 1
+                return
+            skipped, self._skipped = self._skipped, 0
+            self._next = now + self.every
+        if skipped:
+            msg += " (%d more like this in the last %.0f s)"
+            args = (*args, skipped, self.every)
+        log(msg, *args)
+
+
+class _Busy(Exception):
+    """The FFN rank had too many handshakes in progress: try again."""
 
 
 class TCPAttentionConnector(AttentionConnector):
@@ -154,9 +148,13 @@ class TCPAttentionConnector(AttentionConnector):
         self.addr = (cfg.host, cfg.ffn_port(self.ffn_rank))
         self.peer = f"FFN rank {self.ffn_rank} at {cfg.host}:{self.addr[1]}"
         self.timeout = float(cfg.timeout_s)
+        self.secret_env, self.secret = shared_secret(ctx)
         self.sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._in_step = False
+        # The open step: (step id, next micro-batch index, micro-batch count; 0
+        # when not micro-batched), None between steps.
+        self._step: tuple[int, int, int] | None = None
         self._dead: str | None = None
         self._closed = threading.Event()
         self._hb: threading.Thread | None = None
@@ -167,8 +165,50 @@ class TCPAttentionConnector(AttentionConnector):
     # -- connection ------------------------------------------------------
     def connect(self) -> None:
         deadline = time.monotonic() + self.timeout
-        last_err: Exception | None = None
         logger.info("AFD: connecting to %s (timeout %.0f s)", self.peer, self.timeout)
+        self._log_auth()
+        while True:
+            sock = self._dial(deadline)
+            try:
+                self._handshake(sock, deadline)
+                break
+            except _Busy as e:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise AFDPeerError(
+                        f"AFD {self.peer} stayed busy for timeout_s={self.timeout:g}: {e}. "
+                        "Is something flooding its AFD port?"
+                    ) from None
+                time.sleep(0.2)
+            except BaseException:
+                sock.close()
+                raise
+        self.sock = sock
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="afd-heartbeat", daemon=True)
+        self._hb.start()
+        logger.info("AFD: attention rank %d connected to %s", self.ctx.rank, self.peer)
+
+    def _log_auth(self) -> None:
+        if self.secret:
+            logger.info(
+                "AFD: authentication required: attention rank %d and %s prove the shared "
+                "secret in $%s to each other",
+                self.ctx.rank,
+                self.peer,
+                self.secret_env,
+            )
+        else:
+            logger.warning(
+                "AFD: authentication off: $%s is not set, so attention rank %d cannot tell "
+                "the FFN rank at %s:%d from any process answering there (set the same secret "
+                "on every server of the deployment)",
+                self.secret_env,
+                self.ctx.rank,
+                *self.addr,
+            )
+
+    def _dial(self, deadline: float) -> socket.socket:
+        last_err: Exception | None = None
         while True:
             try:
                 sock = socket.create_connection(self.addr, timeout=min(5.0, self.timeout))
@@ -181,7 +221,8 @@ class TCPAttentionConnector(AttentionConnector):
                     raise ConnectionRefusedError(
                         "connection to itself (nothing listening on the FFN port yet)"
                     )
-                break
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return sock
             except OSError as e:
                 last_err = e
                 if time.monotonic() >= deadline:
@@ -191,38 +232,82 @@ class TCPAttentionConnector(AttentionConnector):
                         "--afd-config, that host/port are right and reachable."
                     ) from None
                 time.sleep(0.2)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            self._handshake(sock, deadline)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-        self._hb = threading.Thread(target=self._heartbeat_loop, name="afd-heartbeat", daemon=True)
-        self._hb.start()
-        logger.info("AFD: attention rank %d connected to %s", self.ctx.rank, self.peer)
 
     def _handshake(self, sock: socket.socket, deadline: float) -> None:
+        """Hello; with a shared secret a challenge-response round where both sides
+        prove it over fresh nonces; then the FFN's verdict and fingerprint."""
+        nonce = new_nonce()
         local = _hello_payload(self.ctx, "attention")
-        local["auth"] = _auth_token(_secret(self.ctx), local)
-        _send_all(sock, pack_hello(local), self.timeout, self.peer)
+        local.update(nonce=nonce, auth=AUTH_REQUIRED if self.secret else AUTH_NONE)
+        send_hello(sock, local, self.timeout, self.peer)
         hello_deadline = max(deadline, time.monotonic() + 10.0)
-        try:
-            n = unpack_hello_preamble(
-                _recv_bytes(sock, HELLO_PREAMBLE.size, hello_deadline, self.peer)
+        reply = self._recv_reply(sock, hello_deadline)
+        self._check_auth_mode(reply)
+        ffn_nonce = None
+        if reply.get("status") == STATUS_CHALLENGE:
+            ffn_nonce = reply.get("nonce")
+            if not is_nonce(ffn_nonce):
+                raise AFDHandshakeError(f"AFD {self.peer} sent a malformed challenge")
+            proof = self._proof("attention", nonce, ffn_nonce)
+            send_hello(sock, {"proof": proof}, self.timeout, self.peer)
+            reply = self._recv_reply(sock, hello_deadline)
+        status = reply.get("status")
+        if status != STATUS_OK:
+            raise AFDHandshakeError(
+                f"AFD {self.peer} refused this attention rank: {printable(status)}"
             )
-            remote = parse_hello(_recv_bytes(sock, n, hello_deadline, self.peer))
+        if self.secret and (
+            ffn_nonce is None
+            or not proof_matches(self._proof("ffn", nonce, ffn_nonce), reply.get("proof"))
+        ):
+            raise AFDHandshakeError(
+                f"AFD {self.peer} did not prove the shared secret (${self.secret_env}): the "
+                "FFN server has another secret, or something else answers on that address. "
+                "Refusing to send it activations."
+            )
+        mismatch = fingerprint_mismatch(local, reply)
+        if mismatch:
+            raise AFDHandshakeError(f"{mismatch} ({self.peer})")
+
+    def _recv_reply(self, sock: socket.socket, deadline: float) -> dict:
+        try:
+            return recv_hello(sock, deadline, self.peer)
         except AFDPeerError as e:
             raise AFDPeerError(
                 f"{e} (during the AFD handshake, before any reply: is what listens there "
                 "an AFD FFN server of this build?)"
             ) from None
-        status = remote.get("status")
-        if status != "ok":
-            raise AFDHandshakeError(f"AFD {self.peer} refused this attention rank: {status}")
-        mismatch = fingerprint_mismatch(local, remote)
-        if mismatch:
-            raise AFDHandshakeError(f"{mismatch} ({self.peer})")
+
+    def _check_auth_mode(self, reply: dict) -> None:
+        """Refuse an FFN of another protocol, a busy one (retried), and one whose
+        authentication setting differs from this side's, in either direction."""
+        status = reply.get("status")
+        if reply.get("protocol") != PROTOCOL_VERSION:
+            raise AFDHandshakeError(
+                f"AFD fingerprint mismatch on 'protocol': this side has {PROTOCOL_VERSION}, "
+                f"the peer has {shown(reply.get('protocol'))} ({self.peer}, which answered "
+                f"{printable(status)})"
+            )
+        if status == STATUS_BUSY:
+            raise _Busy(f"{self.peer} has too many handshakes in progress")
+        required = reply.get("auth") == AUTH_REQUIRED
+        if self.secret and not required:
+            raise AFDHandshakeError(
+                f"AFD {self.peer} does not require authentication (it has no shared secret) "
+                f"but this attention rank has one (${self.secret_env} is set): set the same "
+                f"{self.secret_env} on the FFN server, or unset it here"
+            )
+        if not self.secret and required:
+            raise AFDHandshakeError(
+                f"AFD {self.peer} requires authentication but this attention rank has no "
+                f"shared secret: set {self.secret_env} on this server to the FFN server's value"
+            )
+
+    def _proof(self, prover: str, attention_nonce: str, ffn_nonce: str) -> str:
+        assert self.secret
+        return auth_proof(
+            self.secret, prover, self.ctx.rank, self.ffn_rank, attention_nonce, ffn_nonce
+        )
 
     def _heartbeat_loop(self) -> None:
         interval = min(1.0, self.timeout / 4)
@@ -232,7 +317,7 @@ class TCPAttentionConnector(AttentionConnector):
                 if self._in_step or self.sock is None or self._dead:
                     continue
                 try:
-                    _send_all(self.sock, msg, self.timeout, self.peer)
+                    send_all(self.sock, msg, self.timeout, self.peer)
                 except AFDPeerError as e:
                     self._dead = str(e)
                     logger.error("AFD: %s", e)
@@ -244,6 +329,35 @@ class TCPAttentionConnector(AttentionConnector):
             raise AFDPeerError(f"AFD attention rank is not connected to {self.peer}")
         return self.sock
 
+    # -- a failure part-way through a step ------------------------------------
+    @contextlib.contextmanager
+    def _fatal(self, what: str) -> Iterator[None]:
+        """Any exception here leaves the byte stream at an unknown point of the
+        step (data frames carry no step id): the connection is dead for good."""
+        try:
+            yield
+        except BaseException as e:
+            self._fail(e, what)
+            raise
+
+    def _fail(self, e: BaseException, what: str) -> None:
+        if self._dead is None:
+            self._dead = (
+                str(e)
+                if isinstance(e, AFDPeerError)
+                else (
+                    f"AFD step with {self.peer} failed part-way in {what} "
+                    f"({type(e).__name__}: {e}); the connection is out of step and closed"
+                )
+            )
+            logger.error("AFD: %s", self._dead)
+        sock = self.sock
+        if sock is not None:
+            try:  # the FFN rank sees EOF at once instead of waiting for the rest
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     # -- per step ----------------------------------------------------------
     def begin_step(
         self,
@@ -254,30 +368,42 @@ class TCPAttentionConnector(AttentionConnector):
     ) -> None:
         """``ubatch``: (index, count) when this opens one micro-batch of a DBO step
         (every micro-batch sends its own control message here, so the token
-        counts of the others, ``ubatch_tokens``, are not needed)."""
-        flags = ubatch_flags(*ubatch) if ubatch is not None else 0
+        counts of the others, ``ubatch_tokens``, are not needed). Refused while
+        another step is open (end_step not called: a step failed part-way)."""
         with self._lock:
             sock = self._check()
-            self._in_step = True
-            self._send(sock, Control(MSG_STEP, step_id, num_tokens, flags).pack())
+            with self._fatal("begin_step"):
+                flags = ubatch_flags(*ubatch) if ubatch is not None else 0
+                self._open(step_id, ubatch)
+                self._in_step = True
+                send_all(sock, Control(MSG_STEP, step_id, num_tokens, flags).pack(),
+                         self.timeout, self.peer)  # fmt: skip
 
-    def _send(self, sock, data) -> None:
-        try:
-            _send_all(sock, data, self.timeout, self.peer)
-        except AFDPeerError as e:
-            self._dead = str(e)
-            raise
+    def _open(self, step_id: int, ubatch: tuple[int, int] | None) -> None:
+        index, count = ubatch or (0, 0)
+        if self._step is None and index == 0:
+            self._step = (step_id, 1, count)
+            return
+        if self._step is not None and count and self._step == (step_id, index, count):
+            self._step = (step_id, index + 1, count)
+            return
+        opened = f"step {step_id}" + (f" micro-batch {index} of {count}" if count else "")
+        if self._step is None:
+            raise AFDProtocolError(f"AFD: {opened} opened no step (micro-batch 0 comes first)")
+        raise AFDProtocolError(
+            f"AFD: {opened} begun while step {self._step[0]} is open (no end_step: did "
+            "that step fail part-way?)"
+        )
 
     def send(self, x: torch.Tensor) -> None:
-        self._send(self._check(), _tensor_view(_host(x)))
+        sock = self._check()
+        with self._fatal("send"):
+            send_tensor(sock, x, self.timeout, self.peer)
 
     def recv(self, out: torch.Tensor) -> torch.Tensor:
         sock = self._check()
-        try:
-            _recv_tensor(sock, out, time.monotonic() + self.timeout, self.peer)
-        except AFDPeerError as e:
-            self._dead = str(e)
-            raise
+        with self._fatal("recv"):
+            recv_tensor(sock, out, time.monotonic() + self.timeout, self.peer)
         return out
 
     def recv_start(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -289,33 +415,36 @@ class TCPAttentionConnector(AttentionConnector):
         in sends of messages larger than the socket buffers, neither would read).
         """
         sock = self._check()
-        if self._reader is None:
-            # Own socket object (same connection): its timeout is its own.
-            self._rsock = sock.dup()
-            self._reader = concurrent.futures.ThreadPoolExecutor(1, "afd-recv")
-        rsock, timeout, peer = self._rsock, self.timeout, self.peer
+        with self._fatal("recv_start"):
+            if self._reader is None:
+                # Own socket object (same connection): its timeout is its own.
+                self._rsock = sock.dup()
+                self._reader = concurrent.futures.ThreadPoolExecutor(1, "afd-recv")
+            rsock, timeout, peer = self._rsock, self.timeout, self.peer
 
-        def job() -> torch.Tensor:
-            _recv_tensor(rsock, out, time.monotonic() + timeout, peer)
-            return out
+            def job() -> torch.Tensor:
+                recv_tensor(rsock, out, time.monotonic() + timeout, peer)
+                return out
 
-        future = self._reader.submit(job)
+            future = self._reader.submit(job)
 
         def wait() -> torch.Tensor:
             try:
                 return future.result(timeout + 5.0)
             except concurrent.futures.TimeoutError:
                 err = AFDPeerError(f"AFD peer {peer} did not answer within the timeout")
-            except AFDPeerError as e:
-                err = e
-            self._dead = str(err)
-            raise err
+                self._fail(err, "recv_start")
+                raise err from None
+            except BaseException as e:
+                self._fail(e, "recv_start")
+                raise
 
         return wait
 
     def end_step(self) -> None:
         with self._lock:
             self._in_step = False
+            self._step = None
 
     def is_up(self) -> bool:
         return self.sock is not None and not self._dead
@@ -323,7 +452,9 @@ class TCPAttentionConnector(AttentionConnector):
     def profile(self, is_start: bool) -> None:
         with self._lock:
             sock = self._check()
-            self._send(sock, Control(MSG_PROFILE, flags=int(is_start)).pack())
+            with self._fatal("profile"):
+                send_all(sock, Control(MSG_PROFILE, flags=int(is_start)).pack(),
+                         self.timeout, self.peer)  # fmt: skip
         logger.info("AFD: asked %s to %s its profiler", self.peer, "start" if is_start else "stop")
 
     def close(self) -> None:
@@ -332,7 +463,7 @@ class TCPAttentionConnector(AttentionConnector):
             if self.sock is not None:
                 if not self._dead and not self._in_step:
                     try:
-                        _send_all(self.sock, Control(MSG_GOODBYE).pack(), 2.0, self.peer)
+                        send_all(self.sock, Control(MSG_GOODBYE).pack(), 2.0, self.peer)
                     except AFDPeerError:
                         pass
                 if self._rsock is not None:
@@ -350,21 +481,17 @@ class TCPAttentionConnector(AttentionConnector):
                 self._rsock = None
 
 
-class _Peer:
-    def __init__(self, rank: int, sock: socket.socket, addr: str):
-        self.rank = rank
-        self.sock = sock
-        self.addr = addr
-        self.last_seen = time.monotonic()
-        self.last_step = 0.0
-        self.name = f"attention rank {rank} at {addr}"
-
-
 class TCPFFNConnector(FFNConnector):
     dbo_capable = True
     # A rank that had a step within ACTIVE_S is waited for (up to the batch
     # window, connector_extra_config.batch_window_ms, default 5) to join a step.
     ACTIVE_S = 1.0
+    # Handshakes in progress at once; a connection beyond them is answered
+    # "busy" and closed at once (an attention rank retries within timeout_s).
+    MAX_HANDSHAKES = 32
+    # accept() failing (EMFILE, ENFILE, ENOBUFS...): wait this long before the
+    # next try, doubling up to the second value, instead of spinning.
+    ACCEPT_BACKOFF_S = (0.1, 1.0)
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
@@ -373,8 +500,10 @@ class TCPFFNConnector(FFNConnector):
         self.expected = set(cfg.attention_ranks_of(ctx.rank))
         self.addr = (cfg.host, cfg.ffn_port(ctx.rank))
         self.timeout = float(cfg.timeout_s)
+        self.secret_env, self.secret = shared_secret(ctx)
         self.listener: socket.socket | None = None
-        self.peers: dict[int, _Peer] = {}
+        self.peers: dict[int, Peer] = {}
+        self._joining: set[int] = set()  # accepted ranks whose device channel is being set up
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._started_at = 0.0
@@ -382,6 +511,10 @@ class TCPFFNConnector(FFNConnector):
         self._last_refusal: str | None = None  # named in the start-up timeout error
         self._accept_thread: threading.Thread | None = None
         self._profile_requests: list[bool] = []
+        self._handshakes = 0  # in progress (guarded by _hs_lock)
+        self._hs_lock = threading.Lock()
+        self._log_refused = _Throttle()
+        self._log_accept_error = _Throttle()
 
     def start(self) -> None:
         host, port = self.addr
@@ -403,6 +536,22 @@ class TCPFFNConnector(FFNConnector):
             ) from e
         lst.listen(16)
         self.listener = lst
+        self._warn_ephemeral(port)
+        self._started_at = time.monotonic()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="afd-accept", daemon=True
+        )
+        self._accept_thread.start()
+        logger.info(
+            "AFD: FFN rank %d listening on %s:%d for attention ranks %s",
+            self.ctx.rank,
+            host,
+            port,
+            sorted(self.expected),
+        )
+        self._log_auth()
+
+    def _warn_ephemeral(self, port: int) -> None:
         eph = ephemeral_port_range()
         if eph is not None and eph[0] <= port <= eph[1]:
             logger.warning(
@@ -417,18 +566,24 @@ class TCPFFNConnector(FFNConnector):
                 eph[1],
                 eph[0],
             )
-        self._started_at = time.monotonic()
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="afd-accept", daemon=True
-        )
-        self._accept_thread.start()
-        logger.info(
-            "AFD: FFN rank %d listening on %s:%d for attention ranks %s",
-            self.ctx.rank,
-            host,
-            port,
-            sorted(self.expected),
-        )
+
+    def _log_auth(self) -> None:
+        if self.secret:
+            logger.info(
+                "AFD: authentication required: FFN rank %d accepts only attention ranks "
+                "that prove the shared secret in $%s (and proves it to them)",
+                self.ctx.rank,
+                self.secret_env,
+            )
+        else:
+            logger.warning(
+                "AFD: authentication off: $%s is not set, so FFN rank %d accepts any "
+                "process that reaches %s:%d and sends a matching hello as an attention "
+                "rank (set the same secret on every server of the deployment)",
+                self.secret_env,
+                self.ctx.rank,
+                *self.addr,
+            )
 
     # -- accepting ---------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -437,26 +592,79 @@ class TCPFFNConnector(FFNConnector):
             self.listener.settimeout(0.5)
         except OSError:  # closed before this thread ran
             return
+        backoff = 0.0
         while not self._stop.is_set():
             try:
                 sock, addr = self.listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as e:
                 if self._stop.is_set():
                     return
+                # Out of descriptors (EMFILE/ENFILE) or memory: the pending
+                # connection stays queued and accept() fails again at once.
+                lo, hi = self.ACCEPT_BACKOFF_S
+                backoff = min(hi, max(lo, 2 * backoff))
+                self._log_accept_error(
+                    logger.error,
+                    "AFD: FFN rank %d cannot accept connections on %s:%d: %s; next try in %.1f s",
+                    self.ctx.rank,
+                    *self.addr,
+                    e,
+                    backoff,
+                )
+                self._stop.wait(backoff)
                 continue
-            # Handshake in its own thread so that a silent stranger cannot
-            # hold up other peers.
-            threading.Thread(
-                target=self._handshake, args=(sock, f"{addr[0]}:{addr[1]}"), daemon=True
-            ).start()
+            backoff = 0.0
+            self._start_handshake(sock, f"{addr[0]}:{addr[1]}")
 
-    def _reply(self, sock: socket.socket, status: str) -> None:
-        payload = _hello_payload(self.ctx, "ffn")
-        payload["status"] = status
+    def _start_handshake(self, sock: socket.socket, addr: str) -> None:
+        """Handshake in its own thread so that a silent stranger cannot hold up
+        other peers; at most MAX_HANDSHAKES at once."""
+        with self._hs_lock:
+            busy = self._handshakes >= self.MAX_HANDSHAKES
+            if not busy:
+                self._handshakes += 1
+        if busy:
+            self._refuse_at_once(sock, addr, f"{self.MAX_HANDSHAKES} handshakes in progress")
+            return
         try:
-            _send_all(sock, pack_hello(payload), 5.0, "new peer")
+            threading.Thread(
+                target=self._handshake, args=(sock, addr), name="afd-handshake", daemon=True
+            ).start()
+        except RuntimeError as e:  # "can't start new thread"
+            self._handshake_done()
+            self._refuse_at_once(sock, addr, f"cannot start a handshake thread: {e}")
+
+    def _handshake_done(self) -> None:
+        with self._hs_lock:
+            self._handshakes -= 1
+
+    def _refuse_at_once(self, sock: socket.socket, addr: str, why: str) -> None:
+        """Answer "busy" without blocking (a fresh socket's buffer takes it) and close."""
+        self._log_refused(logger.warning, "AFD: refused connection from %s at once: %s", addr, why)
+        metrics.STATS.inc("handshake_failures")
+        try:
+            sock.setblocking(False)
+            sock.send(pack_hello(self._reply_head(STATUS_BUSY)))
+        except OSError:
+            pass
+        sock.close()
+
+    def _reply_head(self, status: str) -> dict:
+        return {
+            "role": "ffn",
+            "rank": self.ctx.rank,
+            "protocol": PROTOCOL_VERSION,
+            "auth": AUTH_REQUIRED if self.secret else AUTH_NONE,
+            "status": status,
+        }
+
+    def _reply(self, sock: socket.socket, status: str, **extra) -> None:
+        payload = _hello_payload(self.ctx, "ffn")
+        payload.update(self._reply_head(status), **extra)
+        try:
+            send_hello(sock, payload, 5.0, "new peer")
         except AFDPeerError:
             pass
 
@@ -464,9 +672,11 @@ class TCPFFNConnector(FFNConnector):
         try:
             accepted = self._handshake_or_drop(sock, addr)
         except Exception as e:  # noqa: BLE001 - a stranger must never kill this thread
-            logger.warning("AFD: dropped connection from %s: %s", addr, e)
+            logger.warning("AFD: dropped connection from %s: %s", addr, printable(str(e)))
             sock.close()
             accepted = False
+        finally:
+            self._handshake_done()
         if not accepted:
             metrics.STATS.inc("handshake_failures")
 
@@ -475,15 +685,37 @@ class TCPFFNConnector(FFNConnector):
         deadline = time.monotonic() + min(10.0, self.timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            n = unpack_hello_preamble(_recv_bytes(sock, HELLO_PREAMBLE.size, deadline, addr))
-            remote = parse_hello(_recv_bytes(sock, n, deadline, addr))
+            remote = recv_hello(sock, deadline, addr)
         except (AFDPeerError, AFDProtocolError) as e:
             logger.warning("AFD: dropped connection from %s: %s", addr, e)
             sock.close()  # not this protocol: no answer
             return False
-        role, rank = remote.get("role"), remote.get("rank")
+        rank = self._hello_rank(sock, addr, remote)
+        if rank is None:
+            return False
+        if remote.get("protocol") not in (None, PROTOCOL_VERSION):
+            # Named before authentication: a secret of another protocol cannot pass.
+            return self._refuse_hello(sock, addr, fingerprint_mismatch(
+                {"protocol": PROTOCOL_VERSION}, {"protocol": remote.get("protocol")}))  # fmt: skip
+        proof = self._authenticate(sock, addr, rank, remote, deadline)
+        if proof is None:
+            return False
+        mismatch = fingerprint_mismatch(_hello_payload(self.ctx, "ffn"), remote)
+        if mismatch is None and remote.get("role") != "attention":
+            mismatch = f"peer role is {shown(remote.get('role'))}, expected 'attention'"
+        if mismatch is None and rank not in self.expected:
+            mismatch = (
+                f"attention rank {shown(rank)} is not served by FFN rank {self.ctx.rank} "
+                f"(it serves {sorted(self.expected)})"
+            )
+        if mismatch:
+            return self._refuse_hello(sock, addr, mismatch, proof)
+        return self._admit(rank, sock, addr, proof)
+
+    def _hello_rank(self, sock: socket.socket, addr: str, remote: dict) -> int | None:
+        rank = remote.get("rank")
         if (
-            not isinstance(role, str)
+            not isinstance(remote.get("role"), str)
             or not isinstance(rank, int)
             or isinstance(rank, bool)
             or not isinstance(remote.get("afd_revision"), str)
@@ -493,49 +725,95 @@ class TCPFFNConnector(FFNConnector):
                 sock, "refused: hello lacks a string role, an integer rank and afd_revision"
             )
             sock.close()
-            return False
-        secret = _secret(self.ctx)
-        if secret and not hmac.compare_digest(
-            str(remote.get("auth", "")), _auth_token(secret, remote)
-        ):
-            logger.warning("AFD: dropped connection from %s: bad shared secret", addr)
-            self._reply(sock, "authentication failed (shared secret differs)")
-            sock.close()
-            return False
-        local = _hello_payload(self.ctx, "ffn")
-        mismatch = fingerprint_mismatch(local, remote)
-        if mismatch is None and remote.get("role") != "attention":
-            mismatch = f"peer role is {remote.get('role')!r}, expected 'attention'"
-        if mismatch is None and rank not in self.expected:
-            mismatch = (
-                f"attention rank {rank!r} is not served by FFN rank {self.ctx.rank} "
-                f"(it serves {sorted(self.expected)})"
+            return None
+        return rank
+
+    def _refuse_hello(self, sock: socket.socket, addr: str, mismatch: str, extra=None) -> bool:
+        self._reply(sock, mismatch, **(extra or {}))
+        sock.close()
+        # The attention rank ends on this reply. This rank does not: a hello is
+        # not proof of anything (without a shared secret anyone can send one),
+        # so it keeps serving its peers or waiting for the right ones; if those
+        # never come, the start-up timeout error names this refusal.
+        self._last_refusal = f"{mismatch} (peer {addr})"
+        logger.error("AFD: refused attention hello: %s", self._last_refusal)
+        return False
+
+    def _authenticate(
+        self, sock: socket.socket, addr: str, rank: int, remote: dict, deadline: float
+    ) -> dict | None:
+        """Challenge-response when this rank has a secret: the attention rank
+        proves it over this rank's fresh nonce. Returns the fields that prove it
+        back (for the accepting reply), or None when the peer was refused."""
+        offered = remote.get("auth") == AUTH_REQUIRED
+        if not self.secret:
+            if not offered:
+                return {}
+            logger.warning(
+                "AFD: refused %s: the attention rank has a shared secret, this FFN rank has "
+                "none ($%s is not set here): set the same secret on both servers",
+                addr,
+                self.secret_env,
             )
-        if mismatch:
-            self._reply(sock, mismatch)
+            self._reply(
+                sock,
+                "authentication mismatch: the attention rank has a shared secret, this FFN "
+                f"server has none (set the same {self.secret_env} on both servers)",
+            )
             sock.close()
-            # The attention rank ends on this reply. This rank does not: a hello
-            # is not proof of anything (without a shared secret anyone can send
-            # one), so it keeps serving its peers or waiting for the right ones;
-            # if those never come, the start-up timeout error names this refusal.
-            self._last_refusal = f"{mismatch} (peer {addr})"
-            logger.error("AFD: refused attention hello: %s", self._last_refusal)
+            return None
+        attention_nonce = remote.get("nonce")
+        if not offered or not is_nonce(attention_nonce):
+            return self._auth_failed(sock, addr, AUTH_MISSING, "none offered")
+        ffn_nonce = new_nonce()
+        try:
+            send_hello(sock, {**self._reply_head(STATUS_CHALLENGE), "nonce": ffn_nonce},
+                       5.0, addr)  # fmt: skip
+            answer = recv_hello(sock, deadline, addr)
+        except (AFDPeerError, AFDProtocolError) as e:
+            logger.warning("AFD: dropped connection from %s: %s", addr, e)
+            sock.close()
+            return None
+        expected = auth_proof(self.secret, "attention", rank, self.ctx.rank,
+                              attention_nonce, ffn_nonce)  # fmt: skip
+        if not proof_matches(expected, answer.get("proof")):
+            return self._auth_failed(sock, addr, AUTH_DIFFERS, "wrong proof")
+        return {"proof": auth_proof(self.secret, "ffn", rank, self.ctx.rank,
+                                    attention_nonce, ffn_nonce)}  # fmt: skip
+
+    def _auth_failed(self, sock: socket.socket, addr: str, status: str, why: str) -> None:
+        logger.warning("AFD: dropped connection from %s: bad shared secret (%s)", addr, why)
+        self._reply(sock, status)
+        sock.close()
+        return None
+
+    def _admit(self, rank: int, sock: socket.socket, addr: str, proof: dict) -> bool:
+        """Reserve the rank, set up its device channel with the lock released
+        (wait_step of the other peers takes it; the cuda_ipc exchange can take
+        seconds), then register it."""
+        with self._lock:
+            taken = rank in self.peers or rank in self._joining
+            if not taken:
+                self._joining.add(rank)
+        if taken:
+            self._reply(sock, f"attention rank {rank} is already connected")
+            sock.close()
+            return False
+        try:
+            self._reply(sock, STATUS_OK, **proof)
+            self._accept_device(rank, sock, addr)
+        except Exception as e:  # noqa: BLE001 - this peer is refused, serving goes on
+            with self._lock:
+                self._joining.discard(rank)
+            logger.error("AFD: attention rank %d from %s: device channel failed: %s", rank, addr, e)
+            sock.close()
             return False
         with self._lock:
-            if rank in self.peers:
-                self._reply(sock, f"attention rank {rank} is already connected")
+            self._joining.discard(rank)
+            if self._stop.is_set():  # closed meanwhile
                 sock.close()
                 return False
-            self._reply(sock, "ok")
-            try:
-                self._accept_device(rank, sock, addr)
-            except Exception as e:  # noqa: BLE001 - this peer is refused, serving goes on
-                logger.error(
-                    "AFD: attention rank %d from %s: device channel failed: %s", rank, addr, e
-                )
-                sock.close()
-                return False
-            self.peers[rank] = _Peer(rank, sock, addr)
+            self.peers[rank] = Peer(rank, sock, addr)
             if set(self.peers) == self.expected:
                 self._ever_complete = True
         logger.info(
@@ -544,7 +822,8 @@ class TCPFFNConnector(FFNConnector):
         return True
 
     def _accept_device(self, rank: int, sock: socket.socket, addr: str) -> None:
-        """After an accepted hello: set up a device data path (none here)."""
+        """After an accepted hello: set up a device data path (none here). Runs
+        in the handshake thread without the connector lock."""
 
     # -- serving -------------------------------------------------------------
     def wait_step(self, timeout: float) -> list[StepPeer]:
@@ -583,7 +862,7 @@ class TCPFFNConnector(FFNConnector):
                 peer.last_step = now
         return ready
 
-    def _poll(self, peers: list[_Peer], timeout: float) -> list[StepPeer]:
+    def _poll(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
         # Peers that said goodbye meanwhile are gone (their sockets closed).
         peers = [p for p in peers if self.peers.get(p.rank) is p]
         if not peers:
@@ -591,16 +870,13 @@ class TCPFFNConnector(FFNConnector):
             return []
         return self._read_sockets(peers, timeout)
 
-    def _read_sockets(self, peers: list[_Peer], timeout: float) -> list[StepPeer]:
+    def _read_sockets(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
         """Control messages waiting on the peers' sockets (up to ``timeout``);
         raises for a peer silent for timeout_s."""
-        try:
-            readable, _, _ = select.select([p.sock for p in peers], [], [], timeout)
-        except (OSError, ValueError):  # a socket closed under us: look again next time
-            return []
+        ready_socks = readable([p.sock for p in peers], timeout)
         ready: list[StepPeer] = []
         for p in peers:
-            if p.sock in readable:
+            if any(s is p.sock for s in ready_socks):
                 ctrl = self._read_control(p)
                 if ctrl is None:
                     continue
@@ -610,10 +886,11 @@ class TCPFFNConnector(FFNConnector):
                 raise AFDPeerError(f"lost AFD {p.name}: nothing received for {self.timeout:g} s")
         return ready
 
-    def _read_control(self, p: _Peer) -> Control | None:
-        data = _recv_bytes(p.sock, CONTROL.size, time.monotonic() + self.timeout, p.name)
+    def _read_control(self, p: Peer) -> Control | None:
+        data = recv_bytes(p.sock, CONTROL.size, time.monotonic() + self.timeout, p.name)
         try:
             ctrl = Control.unpack(data, self.ctx.max_num_tokens)
+            p.check_step(ctrl)
         except AFDProtocolError as e:
             self._drop(p)
             raise AFDPeerError(f"AFD {p.name} broke the protocol: {e}") from e
@@ -653,7 +930,7 @@ class TCPFFNConnector(FFNConnector):
             connected = set(self.peers)
         return {f"attention_rank_{r}": r in connected for r in sorted(self.expected)}
 
-    def _drop(self, p: _Peer) -> None:
+    def _drop(self, p: Peer) -> None:
         with self._lock:
             if self.peers.get(p.rank) is p:
                 del self.peers[p.rank]
@@ -662,7 +939,7 @@ class TCPFFNConnector(FFNConnector):
         except OSError:
             pass
 
-    def _peer(self, step_peer: StepPeer) -> _Peer:
+    def _peer(self, step_peer: StepPeer) -> Peer:
         p = self.peers.get(step_peer.rank)
         if p is None:
             raise AFDPeerError(f"lost AFD attention rank {step_peer.rank} during a step")
@@ -670,12 +947,12 @@ class TCPFFNConnector(FFNConnector):
 
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
         p = self._peer(peer)
-        _recv_tensor(p.sock, out, time.monotonic() + self.timeout, p.name)
+        recv_tensor(p.sock, out, time.monotonic() + self.timeout, p.name)
         p.last_seen = time.monotonic()
 
     def send(self, peer: StepPeer, y: torch.Tensor) -> None:
         p = self._peer(peer)
-        _send_all(p.sock, _tensor_view(_host(y)), self.timeout, p.name)
+        send_tensor(p.sock, y, self.timeout, p.name)
 
     def close(self) -> None:
         self._stop.set()
