@@ -5,13 +5,12 @@ path itself runs in tests/gpu/test_gpu_ipc_connector.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-ipc = pytest.importorskip("vllm.distributed.afd.cuda_ipc")
-
-from vllm.afd.protocol import AFDProtocolError, parse_hello  # noqa: E402
-from vllm.config.afd import AFDConfig  # noqa: E402
-from vllm.distributed.afd.base import (  # noqa: E402
+from vllm.afd.protocol import AFDProtocolError, parse_hello
+from vllm.config.afd import AFDConfig
+from vllm.distributed.afd import cuda_ipc as ipc
+from vllm.distributed.afd.base import (
     ConnectorContext,
     create_attention_connector,
     create_ffn_connector,

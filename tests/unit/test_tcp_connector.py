@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
-tcp = pytest.importorskip("vllm.distributed.afd.tcp")
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import tcp_lib  # noqa: E402
-from tcp_lib import (  # noqa: E402
+import tcp_lib
+import torch
+from tcp_lib import (
     HIDDEN,
     HOST,
     MAX_TOKENS,
@@ -36,9 +30,10 @@ from tcp_lib import (  # noqa: E402
     wait_until,
 )
 
-from serve_util import free_port  # noqa: E402
-from vllm.afd import protocol as P  # noqa: E402
-from vllm.distributed.afd.base import (  # noqa: E402
+from serve_util import free_port
+from vllm.afd import protocol as P
+from vllm.distributed.afd import tcp
+from vllm.distributed.afd.base import (
     create_attention_connector,
     create_ffn_connector,
 )
