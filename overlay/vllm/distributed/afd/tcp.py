@@ -350,7 +350,7 @@ class TCPAttentionConnector(AttentionConnector):
                     f"({type(e).__name__}: {e}); the connection is out of step and closed"
                 )
             )
-            logger.error("AFD: %s", self._dead)
+            logger.error("%s", self._dead)
         sock = self.sock
         if sock is not None:
             try:  # the FFN rank sees EOF at once instead of waiting for the rest
