@@ -13,7 +13,8 @@ host at ``port + num_ffn_ranks + f``.
 Limits of this release: a pending NCCL receive cannot be cancelled, so a peer
 that dies in the middle of a layer exchange is detected through the TCP
 control socket only at the next step; an FFN rank serves one attention
-session (restart both sides to re-join).
+session: once all its attention ranks have joined, a rank that joins again
+is refused in the handshake reply (restart both sides to re-join).
 """
 
 from __future__ import annotations
@@ -82,6 +83,25 @@ class NCCLFFNConnector(TCPFFNConnector):
         super().__init__(ctx)
         self.comm = None
         self._k = ctx.config.attention_ranks_per_ffn
+
+    def _admit(self, rank: int, sock, addr: str, proof: dict) -> bool:
+        """Once every attention rank of this FFN rank has joined, the NCCL group
+        is formed (or about to be) with those processes: a rank that joins
+        again (after a goodbye, a restart of its server) or late cannot become
+        a member - its NCCL setup would wait forever for a group that is gone,
+        and the FFN rank's receives from it would hang the others. Refused in
+        the handshake reply, naming why, so that its attention server fails at
+        start; the ranks already served go on."""
+        with self._lock:
+            formed = self._ever_complete or self.comm is not None
+        if formed:
+            return self._refuse_hello(sock, addr, (
+                f"FFN rank {self.ctx.rank} (nccl) formed its NCCL group with attention "
+                f"ranks {sorted(self.expected)} already and cannot take attention rank "
+                f"{rank} again: an nccl FFN rank serves one session; restart the FFN "
+                "server, then the attention servers"
+            ), proof)  # fmt: skip
+        return super()._admit(rank, sock, addr, proof)
 
     def wait_step(self, timeout: float) -> list[StepPeer]:
         if self.comm is None and self._ever_complete:
