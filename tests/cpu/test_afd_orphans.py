@@ -1,0 +1,175 @@
+"""The children of a killed `vllm serve` API server end (issue 19, item 1).
+
+SIGKILL of an AFD server's API server process only (the pid a supervisor, a container
+runtime with a custom stop or the OOM killer hits) used to leave its engine core and
+worker running: an FFN server's kept serving the attention server and kept the AFD port
+bound, and the attention side never noticed. Here both servers run with the engine core
+in child processes (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default: there is no child to
+orphan otherwise). One test, two pairs on the same ports:
+
+1. the FFN API server is SIGKILLed while a request streams: every process it started is
+   gone within ORPHAN_EXIT_S, the AFD port can be bound again, and the attention server
+   fails as for a killed FFN (the stream ends with an error, the next request gets a 5xx or
+   a refused connection, the server exits 1 naming the lost FFN rank);
+2. a new pair; the attention API server is SIGKILLed: its children are gone within
+   ORPHAN_EXIT_S and the FFN server notices the lost attention rank and exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from harness import wait_healthy
+
+import serve_util as su
+
+pytestmark = pytest.mark.cpu_e2e
+
+MODEL = "qwen3_moe"
+AFD_TIMEOUT_S = 30.0
+BOUND_S = AFD_TIMEOUT_S + 5  # a lost peer must be acted on within timeout_s + 5 s
+ORPHAN_EXIT_S = 5.0  # the children of a dead API server must be gone within this
+START_TIMEOUT_S = 300.0
+MP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_AFD_SECRET": ""}
+
+
+class Pair:
+    """An attention and an FFN `vllm serve` server on fixed ports (engine cores in child
+    processes), restartable."""
+
+    def __init__(self, model_dir: Path, log_dir: Path):
+        self.model_dir, self.log_dir = model_dir, log_dir
+        self.api_attn, self.api_ffn, self.afd_port = su.free_ports(3)
+        self.started: list[su.Server] = []
+
+    def start(self, role: str) -> su.Server:
+        n = len(self.started) + 1
+        srv = su.Server.start(
+            role, self.model_dir, self.api_attn if role == "attention" else self.api_ffn,
+            self.log_dir / f"{n:02d}_{role}.log", env=MP_ENV,
+            afd_config=su.afd_config(role, self.afd_port, timeout_s=AFD_TIMEOUT_S),
+        )  # fmt: skip
+        self.started.append(srv)
+        return srv
+
+    def start_both(self) -> tuple[su.Server, su.Server]:
+        attn, ffn = self.start("attention"), self.start("ffn")
+        ready = wait_healthy([attn, ffn], START_TIMEOUT_S)
+        print(f"AFD pair healthy after {ready}")
+        return attn, ffn
+
+
+class Stream:
+    """One streaming completion in a thread; ``started`` is set at its first chunk."""
+
+    def __init__(self, srv: su.Server):
+        self.started = threading.Event()
+        self.result: dict | None = None
+        self.thread = threading.Thread(target=self._run, args=(srv,), daemon=True)
+        self.thread.start()
+
+    def _run(self, srv: su.Server) -> None:
+        self.result = su.stream_completion(
+            srv.url, "Once upon a time", max_tokens=480, temperature=0.0, ignore_eos=True,
+            timeout=120, on_chunk=lambda chunk: self.started.set(),
+        )  # fmt: skip
+
+
+def kill_api_server(srv: su.Server) -> tuple[float, list[psutil.Process]]:
+    """SIGKILL to the API server process only; (the time of the kill, the processes it had
+    started, listed before the kill)."""
+    children = psutil.Process(srv.proc.pid).children(recursive=True)
+    names = [c.name() for c in children]
+    assert any("EngineCore" in n for n in names), f"{srv.name}: no engine-core child: {names}"
+    t_kill = time.monotonic()
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(10)
+    return t_kill, children
+
+
+def running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def exit_times(children: list[psutil.Process], t_kill: float, timeout: float) -> dict:
+    """Seconds from the kill until each child was gone ("name pid" -> s, None: still
+    running after ``timeout``)."""
+    left = {f"{c.name()} {c.pid}": c for c in children}
+    out: dict[str, float | None] = dict.fromkeys(left)
+    deadline = t_kill + timeout
+    while left and time.monotonic() < deadline:
+        for key, c in list(left.items()):
+            if not running(c):
+                out[key] = round(time.monotonic() - t_kill, 2)
+                del left[key]
+        time.sleep(0.05)
+    return out
+
+
+def assert_children_gone(srv: su.Server, children, t_kill: float) -> dict:
+    times = exit_times(children, t_kill, ORPHAN_EXIT_S)
+    print(f"{srv.name} API server SIGKILLed; its children exited after (s): {times}")
+    left = [k for k, t in times.items() if t is None]
+    assert not left, (
+        f"{srv.name}: still running {ORPHAN_EXIT_S:.0f} s after its API server was killed: "
+        f"{left}\n{su.log_tail(srv.log_path, 20)}"
+    )
+    return times
+
+
+def test_children_of_a_killed_api_server_end(model_dir, tmp_path):
+    pair = Pair(model_dir, tmp_path)
+    try:
+        attn, ffn = pair.start_both()
+        stream = Stream(attn)
+        assert stream.started.wait(120), "no token streamed"
+
+        # 1. the FFN API server dies: its engine core and worker follow, the port is free
+        t_kill, children = kill_api_server(ffn)
+        ffn_times = assert_children_gone(ffn, children, t_kill)
+        assert su.port_bindable(pair.afd_port), "AFD port still bound"
+
+        # ... and the attention server fails as for a killed FFN server
+        stream.thread.join(BOUND_S)
+        assert stream.result is not None, "the in-flight stream still runs"
+        assert stream.result["error"] and stream.result["finish_reason"] != "length"
+        try:
+            status, body = attn.completion("Hello", max_tokens=4, timeout=BOUND_S)
+            outcome = f"HTTP {status}: {su.error_message(body)[:200]}"
+            assert status >= 500, body
+        except OSError as e:  # the server is already on its way out
+            outcome = f"{type(e).__name__}: {e}"
+        print(f"next request to the attention server: {outcome}")
+        assert su.wait_for_exit(attn.proc, BOUND_S) is not None, "attention server still up"
+        t_attn = time.monotonic() - t_kill
+        lost = f"lost AFD peer FFN rank 0 at 127.0.0.1:{pair.afd_port}"
+        assert lost in attn.log_path.read_text(errors="replace"), su.log_tail(attn.log_path)
+        assert attn.proc.returncode == 1, su.log_tail(attn.log_path)
+        print(f"attention server exited {t_attn:.2f} s after the FFN API server kill")
+
+        # 2. a new pair on the same ports: the attention API server dies
+        attn, ffn = pair.start_both()
+        t_kill, children = kill_api_server(attn)
+        attn_times = assert_children_gone(attn, children, t_kill)
+        assert su.wait_for_exit(ffn.proc, BOUND_S) is not None, "FFN server still up"
+        t_ffn = time.monotonic() - t_kill
+        lost = "lost AFD peer attention rank 0 at 127.0.0.1:"
+        assert lost in ffn.log_path.read_text(errors="replace"), su.log_tail(ffn.log_path)
+        assert ffn.proc.returncode == 1, su.log_tail(ffn.log_path)
+        print(f"FFN server exited {t_ffn:.2f} s after the attention API server kill")
+        print(f"figures: FFN children {ffn_times}, attention children {attn_times}")
+    finally:
+        su.stop_servers(pair.started)  # their process groups hold any orphan left
+    left = {s.log_path.name: su.group_members(s.pgid) for s in pair.started}
+    assert not any(left.values()), f"processes left: {left}"
+    busy = [p for p in (pair.api_attn, pair.api_ffn, pair.afd_port) if not su.port_bindable(p)]
+    assert not busy, f"ports still taken: {busy}"

@@ -1,0 +1,108 @@
+"""An AFD process started through multiprocessing ends with its parent (vllm.afd.lifecycle,
+issue 19 item 1; the `vllm serve` case is tests/cpu/test_afd_orphans.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from vllm.afd import lifecycle
+
+ORPHAN_EXIT_S = 5.0
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+
+# A parent that starts a forked child which installs the watch (as an engine core or a
+# worker of an AFD server does) and then blocks; the parent prints the child's pid.
+PARENT = textwrap.dedent("""
+    import multiprocessing, sys, time
+    from types import SimpleNamespace
+
+    import overlay_import  # the AFD modules as they are in the tree
+
+    overlay_import.install()
+
+    def child(ready):
+        from vllm.afd import lifecycle
+        cfg = SimpleNamespace(
+            afd_config=SimpleNamespace(role="ffn", resolved_rank=lambda dp: dp),
+            parallel_config=SimpleNamespace(data_parallel_rank=0),
+        )
+        ready.put(lifecycle.watch_parent(cfg, "worker 0"))
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        ctx = multiprocessing.get_context("fork")
+        ready = ctx.Queue()
+        p = ctx.Process(target=child, args=(ready,))
+        p.start()
+        print(p.pid, ready.get(timeout=120), flush=True)
+        time.sleep(600)
+""")
+
+
+@pytest.fixture
+def mdir(tmp_path, monkeypatch):
+    path = tmp_path / "afd-metrics"
+    path.mkdir(mode=0o700)
+    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(path))
+    return path
+
+
+def gone(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_watched_child_ends_when_its_parent_is_killed(mdir):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *sys.path])}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE,
+                              text=True, env=env)  # fmt: skip
+    child = None
+    try:
+        pid, watching = parent.stdout.readline().split()
+        assert watching == "True"
+        child = psutil.Process(int(pid))
+        assert child.ppid() == parent.pid
+        t_kill = time.monotonic()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        while not gone(child) and time.monotonic() - t_kill < ORPHAN_EXIT_S:
+            time.sleep(0.02)
+        took = time.monotonic() - t_kill
+        assert gone(child), f"the child still runs {ORPHAN_EXIT_S} s after its parent died"
+        print(f"orphaned child exited {took:.2f} s after its parent was killed")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.wait(10)
+        if child is not None and not gone(child):
+            child.kill()
+    # it said why, where the API server looks for the reason of a dead engine
+    rec = json.loads((mdir / f"ffn-0-{child.pid}.error").read_text())
+    assert rec["message"] == lifecycle.orphan_message(parent.pid, "worker 0")
+
+
+def test_no_watch_outside_afd_or_in_a_process_not_started_by_multiprocessing():
+    cfg = SimpleNamespace(
+        afd_config=SimpleNamespace(role="ffn", resolved_rank=lambda dp: 0),
+        parallel_config=SimpleNamespace(data_parallel_rank=0),
+    )
+    # this test process was started by pytest's launcher, not by multiprocessing: a
+    # process a user or a supervisor started goes on when its own launcher exits
+    assert lifecycle.watch_parent(cfg, "EngineCore") is False
+    assert lifecycle.watch_parent(SimpleNamespace(afd_config=None), "EngineCore") is False
+    assert not any(t.name == "afd-parent-watch" for t in threading.enumerate())
