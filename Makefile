@@ -2,28 +2,28 @@
 SHELL := /bin/bash
 PY ?= python3
 AFD := PYTHONPATH=$(CURDIR)/scripts $(PY) -m afdtool
-VENV ?= .venv
-VPY := $(CURDIR)/$(VENV)/bin/python
-PYTEST_ARGS ?=
-# Upstream target: `make apply-patches VLLM_VERSION=X` / `make check VLLM_VERSION=X` (or TO=X)
-# use targets/X/ (pin + patches, tree build/vllm-X); without it the primary pin (file VLLM_VERSION).
-# Only a command-line VLLM_VERSION counts (an environment variable of that name is ignored).
+# Upstream target: `make X VLLM_VERSION=V` (or TO=V) works on targets/V/ (pin, patches); without
+# it the primary pin (file VLLM_VERSION). Only a command-line VLLM_VERSION counts (an environment
+# variable of that name is ignored). afdtool resolves the target once (scripts/afdtool/targets.py:
+# pin, patches, tree build/vllm[-V], venv .venv[-V], models build/models[-V], revision); every
+# afdtool command gets --target, and the venv and models paths below come from it.
 ifeq ($(origin VLLM_VERSION),command line)
 TO := $(VLLM_VERSION)
 endif
 TARGET_ARGS = $(if $(TO),--target $(TO))
-# For a second target the wheel, venv and models are its own: build/vllm-X, .venv-X,
-# build/models-X (`make venv VLLM_VERSION=0.32.0`, `make test-oracle VLLM_VERSION=0.32.0`).
-ifneq ($(TO),)
-ifneq ($(TO),$(shell sed -n 's/^VERSION=//p' VLLM_VERSION))
-VENV := .venv-$(TO)
-VPY := $(CURDIR)/$(VENV)/bin/python
-TARGET_ENV := AFD_PIN_FILE=$(CURDIR)/targets/$(TO)/VLLM_VERSION
-WHEEL_TREE := --tree build/vllm-$(TO)
-MODELS := build/models-$(TO)
+# the rebase commands start from the newest carried target unless FROM=Y names one
+FROM_ARGS = $(if $(FROM),--target $(FROM))
+# A target's own paths (`afdtool target --field`); an unknown target leaves them empty and its
+# afdtool command then says what to do.
+target_field = $(shell $(AFD) target $(TARGET_ARGS) --field $(1) 2>/dev/null)
+ifeq ($(origin VENV),undefined)
+VENV := $(call target_field,venv)
 endif
+ifeq ($(origin MODELS),undefined)
+MODELS := $(call target_field,models)
 endif
-MODELS ?= build/models
+VPY := $(abspath $(VENV))/bin/python
+PYTEST_ARGS ?=
 REBASE_ARGS ?=
 TREE_ARGS = $(if $(TREE),--tree $(TREE))
 
@@ -36,7 +36,7 @@ help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 fetch: ## download (or reuse from cache) the pinned sdist and wheels, sha256-checked
-	$(AFD) fetch all
+	$(AFD) fetch all $(TARGET_ARGS)
 
 apply-patches: ## pinned vLLM source + overlay + patches/series -> build/vllm (git repo)
 	$(AFD) apply $(TARGET_ARGS)
@@ -44,26 +44,27 @@ apply-patches: ## pinned vLLM source + overlay + patches/series -> build/vllm (g
 export-patches: ## commits after the overlay commit in build/vllm -> patches/ and overlay/
 	$(AFD) export $(TARGET_ARGS)
 
-check: ## series applies strictly, re-export is byte-identical, headers present, prefixes compile
+check: ## series applies strictly, re-export byte-identical, headers, prefixes compile; docs/upstream-status.md current
 	$(AFD) check $(TARGET_ARGS)
+	$(AFD) rebase-report --verify --out docs/upstream-status.md
 
 wheel: apply-patches ## custom CUDA wheel -> dist/vllm-X+afd.<rev>-cp38-abi3-manylinux_2_28_x86_64.whl
-	$(TARGET_ENV) $(AFD) wheel --variant cuda $(WHEEL_TREE)
+	$(AFD) wheel --variant cuda $(TARGET_ARGS)
 
 wheel-cpu: apply-patches ## custom CPU wheel -> dist/vllm-X+afd.<rev>.cpu-...whl
-	$(TARGET_ENV) $(AFD) wheel --variant cpu $(WHEEL_TREE)
+	$(AFD) wheel --variant cpu $(TARGET_ARGS)
 
 venv: wheel-cpu ## .venv with torch and the custom CPU wheel (no-op when up to date)
-	$(TARGET_ENV) $(AFD) venv --venv $(VENV)
+	$(AFD) venv --venv $(VENV) $(TARGET_ARGS)
 
-models: venv ## tiny deterministic random-weight checkpoints -> build/models/
+models: venv ## tiny deterministic random-weight checkpoints -> build/models/ (build/models-X)
 	$(VPY) scripts/make_models.py --out $(MODELS)
 
 bundle: wheel ## offline install bundle for the GPU host -> dist/bundle/ (parts <= 48 MiB)
-	$(AFD) bundle
+	$(AFD) bundle $(TARGET_ARGS)
 
 demo: models ## CPU: AFD (1 attention + 1 FFN server) vs plain vLLM, prints MATCH/MISMATCH
-	$(VPY) scripts/demo.py --model build/models/qwen3_moe
+	$(VPY) scripts/demo.py --model $(MODELS)/qwen3_moe
 
 # The unit tests run in the venv (torch, vLLM) against overlay/ as it is in the tree
 # (tests/conftest.py); test_real_wheel and test_real_pinned_series need the upstream wheels
@@ -80,7 +81,7 @@ test: fetch models ## everything CI runs: lint, make check, unit and CPU tests
 	$(VPY) -m pytest -q --durations=30 tests/unit tests/cpu $(PYTEST_ARGS)
 
 test-oracle: models ## the CPU oracle alone (AFD == plain vLLM); per target: VLLM_VERSION=X
-	AFD_MODELS_DIR=$(CURDIR)/$(MODELS) $(VPY) -m pytest -q tests/cpu/test_afd_oracle.py $(PYTEST_ARGS)
+	AFD_MODELS_DIR=$(abspath $(MODELS)) $(VPY) -m pytest -q tests/cpu/test_afd_oracle.py $(PYTEST_ARGS)
 
 # The second target runs the oracle file except what depends on no vLLM code that differs
 # between targets beyond what its other cases start: the FFN group's 4A2F case (2A2F
@@ -92,7 +93,7 @@ TARGET_DESELECT = --deselect "tests/cpu/test_afd_oracle.py::test_oracle_ffn_grou
 	--deselect tests/cpu/test_afd_oracle.py::test_oracle_attention_started_first \
 	--deselect tests/cpu/test_afd_oracle.py::test_wrong_topology_ends_both
 test-target: models ## per-target CPU runtime check: oracle, vllm serve pair, metrics and profiling
-	AFD_MODELS_DIR=$(CURDIR)/$(MODELS) $(VPY) -m pytest -q --durations=15 tests/cpu/test_afd_oracle.py \
+	AFD_MODELS_DIR=$(abspath $(MODELS)) $(VPY) -m pytest -q --durations=15 tests/cpu/test_afd_oracle.py \
 		tests/cpu/test_afd_serve.py tests/cpu/test_afd_observability.py $(TARGET_DESELECT) $(PYTEST_ARGS)
 
 test-gpu: ## GPU tests (run on the GPU host): pytest -m gpu
@@ -101,9 +102,9 @@ test-gpu: ## GPU tests (run on the GPU host): pytest -m gpu
 lint: ## ruff over scripts, tests, overlay
 	$(VPY) -m ruff check scripts tests overlay benchmarks
 
-rebase: ## carry the series to release X: make rebase VLLM_VERSION=X [TREE=dir] [REBASE_ARGS=--drop-empty]
+rebase: ## carry the series to release X (from the newest carried target; FROM=Y, TREE=dir, REBASE_ARGS=--drop-empty|--full-hunks)
 	$(if $(TO),,$(error usage: make rebase VLLM_VERSION=X (or TO=X)))
-	$(AFD) rebase --to $(TO) $(TREE_ARGS) $(REBASE_ARGS)
+	$(AFD) rebase --to $(TO) $(FROM_ARGS) $(TREE_ARGS) $(REBASE_ARGS)
 
 rebase-continue: ## resume a stopped rebase after `git add` (REBASE_ARGS=--skip drops the patch)
 	$(AFD) rebase-continue $(if $(TO),--to $(TO)) $(TREE_ARGS) $(REBASE_ARGS)
@@ -111,12 +112,12 @@ rebase-continue: ## resume a stopped rebase after `git add` (REBASE_ARGS=--skip 
 rebase-abort: ## abort a rebase: the tree, patches/ and the pins stay exactly as before
 	$(AFD) rebase-abort $(if $(TO),--to $(TO)) $(TREE_ARGS)
 
-rebase-report: ## try the series on every newer release -> docs/upstream-status.md (RELEASES="a b")
-	$(AFD) rebase-report --out docs/upstream-status.md $(if $(RELEASES),--releases $(RELEASES))
+rebase-report: ## newest carried target's series (FROM=Y) on every newer release -> docs/upstream-status.md (incremental; RELEASES="a b")
+	$(AFD) rebase-report $(FROM_ARGS) --out docs/upstream-status.md $(if $(RELEASES),--releases $(RELEASES))
 
 drift: ## static check of overlay imports/calls against release X: make drift VLLM_VERSION=X
 	$(if $(TO),,$(error usage: make drift VLLM_VERSION=X (or TO=X)))
-	$(AFD) drift --to $(TO) $(REBASE_ARGS)
+	$(AFD) drift --to $(TO) $(FROM_ARGS) $(REBASE_ARGS)
 
 clean: ## remove build/ and dist/ (keeps .venv and the download cache)
 	rm -rf build dist

@@ -17,20 +17,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import targets
 from .errors import AfdError
 from .fetch import fetch_artifact, log, sha256_file
 from .gitutil import am_in_progress, git, ls_tree_files, rev_parse, run_git, status_porcelain
 from .pin import cache_dir
 from .series import (
-    Repo,
-    add_repo_arguments,
-    add_tree_argument,
     inputs_fingerprint,
     overlay_files,
     read_series,
     require_clean_series,
 )
+from .targets import Target
 
 BRANCH = "main"
 BASE_TAG = "afd/base"
@@ -122,7 +119,7 @@ def pristine_repo(archive: Path, version: str, archive_sha: str) -> Path:
     return final
 
 
-def prepare_base(repo: Repo, source: str | None) -> tuple[Path, str]:
+def prepare_base(repo: Target, source: str | None) -> tuple[Path, str]:
     archive = fetch_artifact("sdist", repo.pin, source)
     if source and source.startswith("git:"):
         sha = sha256_file(archive)
@@ -156,7 +153,7 @@ def reset_to_base(tree: Path) -> None:
     run_git(tree, "clean", "-q", "-f", "-d")
 
 
-def check_overlay(repo: Repo, base_files: dict[str, str]) -> dict[str, Path]:
+def check_overlay(repo: Target, base_files: dict[str, str]) -> dict[str, Path]:
     files = overlay_files(repo.overlay)
     base_dirs = set()
     for p in base_files:
@@ -183,7 +180,7 @@ def check_overlay(repo: Repo, base_files: dict[str, str]) -> dict[str, Path]:
     return files
 
 
-def commit_overlay(tree: Path, repo: Repo) -> list[str]:
+def commit_overlay(tree: Path, repo: Target) -> list[str]:
     files = check_overlay(repo, ls_tree_files(tree, BASE_TAG))
     for rel, src in files.items():
         dst = tree / rel
@@ -333,7 +330,7 @@ def tree_problems(tree: Path, state: dict | None) -> list[str]:
 # ---------------------------------------------------------------- the command
 
 
-def build(repo: Repo, tree: Path, source: str | None = None, force: bool = False,
+def build(repo: Target, tree: Path, source: str | None = None, force: bool = False,
           quiet: bool = False) -> dict:
     """Bring tree up to date with repo's inputs. Returns the recorded state."""
     t0 = time.monotonic()
@@ -395,9 +392,6 @@ def build(repo: Repo, tree: Path, source: str | None = None, force: bool = False
 
 
 def add_arguments(parser) -> None:
-    add_repo_arguments(parser)
-    add_tree_argument(parser)
-    targets.add_target_argument(parser)
     parser.add_argument("--source", help="where to get the sdist (see `afdtool fetch --help`)")
     parser.add_argument("--force", action="store_true",
                         help="save uncommitted/unexported work on branch afd/backup-<time>, "
@@ -405,6 +399,5 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    repo = targets.load(args.repo_root, args.target)
-    build(repo, targets.tree(repo, args.tree), source=args.source, force=args.force)
+    build(args.target, args.target.tree, source=args.source, force=args.force)
     return 0

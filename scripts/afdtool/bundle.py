@@ -267,7 +267,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    wheel = Path(args.wheel) if args.wheel else expected_wheel_path("cuda", Path(args.dist))
+    wheel = (Path(args.wheel) if args.wheel
+             else expected_wheel_path("cuda", Path(args.dist), args.target))
+    if not wheel.is_file():
+        raise AfdError(f"custom CUDA wheel {wheel} of {args.target.describe()} is missing; run "
+                       f"`make wheel{'' if args.target.primary else ' VLLM_VERSION=' + args.target.version}`")
     deps = None
     if not args.no_deps:
         deps = read_requirements(Path(args.deps_file))

@@ -11,12 +11,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import targets
 from .apply import PatchFailed, am_series, commit_overlay, init_tree, prepare_base
 from .errors import AfdError
 from .export import changed_paths, format_patches
 from .gitutil import run_git
-from .series import Repo, add_repo_arguments, lint_series, read_series
+from .series import lint_series, read_series
+from .targets import Target
 
 TRAILERS = ("Upstream-Status", "Reason", "Removal")
 STATUS_RE = re.compile(r"^(Not-yet|Submitted|Never)\b")
@@ -63,7 +63,7 @@ def compile_problems(tree: Path, paths: set[str]) -> list[str]:
     return problems
 
 
-def check(repo: Repo, source: str | None = None, keep: Path | None = None) -> bool:
+def check(repo: Target, source: str | None = None, keep: Path | None = None) -> bool:
     t0 = time.monotonic()
     results: list[tuple[str, list[str]]] = []
     series = read_series(repo)
@@ -114,9 +114,9 @@ def check(repo: Repo, source: str | None = None, keep: Path | None = None) -> bo
             for name, p in produced.items():
                 mine = repo.patches / name
                 if mine.is_file() and mine.read_bytes() != p.read_bytes():
-                    export_problems.append(f"patches/{name} differs from its re-export: "
+                    export_problems.append(f"{repo.patches_label}/{name} differs from its re-export: "
                                            + _first_diff(mine.read_bytes(), p.read_bytes()))
-            results.append(("re-export is byte-identical to patches/", export_problems))
+            results.append((f"re-export is byte-identical to {repo.patches_label}/", export_problems))
         if keep:
             shutil.copytree(tree, keep, symlinks=True)
     finally:
@@ -142,13 +142,10 @@ def _first_diff(a: bytes, b: bytes) -> str:
 
 
 def add_arguments(parser) -> None:
-    add_repo_arguments(parser)
     parser.add_argument("--source", help="where to get the sdist (see `afdtool fetch --help`)")
-    targets.add_target_argument(parser)
 
 
 def run(args) -> int:
-    repo = targets.load(args.repo_root, args.target)
-    return 0 if check(repo, source=args.source) else 1
+    return 0 if check(args.target, source=args.source) else 1
 
 

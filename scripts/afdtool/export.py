@@ -17,19 +17,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import targets
 from .apply import BASE_TAG, OVERLAY_TAG, read_state, write_state
 from .errors import AfdError
 from .gitutil import am_in_progress, git, ls_tree_files, rev_parse, run_git, status_porcelain
 from .series import (
     OWNED_PATCH_RE,
-    Repo,
-    add_repo_arguments,
-    add_tree_argument,
     inputs_fingerprint,
     overlay_files,
     read_series,
 )
+from .targets import Target
 
 FORMAT_PATCH_CONFIG = (
     "-c", "core.abbrev=12",
@@ -82,7 +79,7 @@ def require_exportable(tree: Path) -> None:
                        f"({merges.split()[0][:12]}); linearize the history (git rebase)")
 
 
-def export(repo: Repo, tree: Path, force: bool = False) -> list[str]:
+def export(repo: Target, tree: Path, force: bool = False) -> list[str]:
     """Export; returns the list of human-readable changes (empty = nothing changed)."""
     require_exportable(tree)
     state = read_state(tree) or {}
@@ -105,7 +102,7 @@ def export(repo: Repo, tree: Path, force: bool = False) -> list[str]:
         # since) is not user work; anything else uncommitted in patches/ or overlay/ is.
         own_output = state.get("by") == "export"
         if (repo.root / ".git").exists() and not own_output:
-            dirty = status_porcelain(repo.root, "patches", "overlay")
+            dirty = status_porcelain(repo.root, repo.patches_label, "overlay")
             if dirty:
                 raise AfdError(
                     f"{repo.root} has uncommitted changes in patches/ or overlay/ that an export "
@@ -152,7 +149,8 @@ def export(repo: Repo, tree: Path, force: bool = False) -> list[str]:
             d.rmdir()
             d = d.parent
 
-    # patches/
+    # patches/ (targets/X/patches/ for a target X)
+    label = repo.patches_label
     old_series = read_series(repo)
     with tempfile.TemporaryDirectory(prefix="afd-export-") as tmp:
         produced = format_patches(tree, Path(tmp), sorted(excluded))
@@ -163,20 +161,20 @@ def export(repo: Repo, tree: Path, force: bool = False) -> list[str]:
             data = p.read_bytes()
             if dst.is_file() and dst.read_bytes() == data:
                 continue
-            changes.append(f"{'updated' if dst.exists() else 'added'} patches/{p.name}")
+            changes.append(f"{'updated' if dst.exists() else 'added'} {label}/{p.name}")
             shutil.copyfile(p, dst)
     for name in old_series.names:
         if name not in names and OWNED_PATCH_RE.match(name) and (repo.patches / name).is_file():
             (repo.patches / name).unlink()
-            changes.append(f"deleted patches/{name}")
+            changes.append(f"deleted {label}/{name}")
         elif name not in names and not OWNED_PATCH_RE.match(name):
-            notes.append(f"patches/{name} is not named NNNN-*.patch, so it was left in place "
+            notes.append(f"{label}/{name} is not named NNNN-*.patch, so it was left in place "
                          "(dropped from the series); delete it if the export replaced it")
     header = old_series.header or DEFAULT_HEADER
     series_text = "\n".join([*header, *names]) + "\n"
     if not old_series.path.is_file() or old_series.path.read_text() != series_text:
         old_series.path.write_text(series_text)
-        changes.append("rewrote patches/series")
+        changes.append(f"rewrote {label}/series")
 
     # The tree now corresponds to the exported inputs: a following apply is a no-op.
     write_state(tree, **dict(state, inputs=inputs_fingerprint(repo, source), status="ok",
@@ -188,20 +186,17 @@ def export(repo: Repo, tree: Path, force: bool = False) -> list[str]:
 
 
 def add_arguments(parser) -> None:
-    add_repo_arguments(parser)
-    add_tree_argument(parser)
-    targets.add_target_argument(parser)
     parser.add_argument("--force", action="store_true",
                         help="overwrite uncommitted/unapplied changes in patches/ and overlay/")
 
 
 def run(args) -> int:
-    repo = targets.load(args.repo_root, args.target)
-    tree = targets.tree(repo, args.tree)
+    repo = args.target
+    tree = repo.tree
     changes = export(repo, tree, force=args.force)
     if changes:
         print("\n".join(changes))
-        print(f"exported {tree} -> {repo.patches} ({len(changes)} change(s))")
+        print(f"exported {tree} -> {repo.patches_label} ({len(changes)} change(s))")
     else:
         print("nothing changed")
     return 0

@@ -97,14 +97,14 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def _opener() -> urllib.request.OpenerDirector:
+def opener_for_index() -> urllib.request.OpenerDirector:
     # ProxyHandler() reads http_proxy / https_proxy / no_proxy from the environment.
     return urllib.request.build_opener(
         urllib.request.ProxyHandler(), urllib.request.HTTPSHandler(context=_ssl_context())
     )
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     parts = urllib.parse.urlsplit(url)
     if parts.username or parts.password:
         netloc = "***@" + (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
@@ -115,7 +115,7 @@ def _redact(url: str) -> str:
 # ---------------------------------------------------------------- simple API
 
 
-class _LinkParser(HTMLParser):
+class LinkParser(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.links: list[tuple[str, str]] = []  # (href, text)
@@ -137,7 +137,7 @@ class _LinkParser(HTMLParser):
             self._href = None
 
 
-def _read_url(opener, url: str, accept: str | None = None) -> tuple[bytes, str, str]:
+def read_url(opener, url: str, accept: str | None = None) -> tuple[bytes, str, str]:
     """-> (body, content type, final url). file:// directories are read as index.html."""
     if url.startswith("file:"):
         path = Path(urllib.request.url2pathname(urllib.parse.urlsplit(url).path))
@@ -152,7 +152,7 @@ def _read_url(opener, url: str, accept: str | None = None) -> tuple[bytes, str, 
 def find_file_url(opener, index: str, project: str, filename: str) -> str | None:
     """Look filename up in the project page of a PEP 691 / PEP 503 index."""
     page = index.rstrip("/") + "/" + project + "/"
-    body, ctype, final = _read_url(
+    body, ctype, final = read_url(
         opener, page, accept=f"{JSON_ACCEPT}, text/html;q=0.1"
     )
     if "json" in ctype:
@@ -161,7 +161,7 @@ def find_file_url(opener, index: str, project: str, filename: str) -> str | None
             if f.get("filename") == filename:
                 return urllib.parse.urljoin(final, f["url"])
         return None
-    parser = _LinkParser()
+    parser = LinkParser()
     parser.feed(body.decode("utf-8", errors="replace"))
     for href, text in parser.links:
         url = urllib.parse.urljoin(final, href)
@@ -243,11 +243,16 @@ def fetch_artifact(kind: str, pin: Pin | None = None, source: str | None = None)
     if kind not in ARTIFACTS:
         raise AfdError(f"unknown artifact {kind!r} (expected one of {', '.join(ARTIFACTS)})")
     if pin is None:
-        from .series import load_repo
+        from .targets import resolve
 
-        pin = load_repo().pin
+        pin = resolve().pin
     name_key, sha_key, project = ARTIFACTS[kind]
     filename, expected = pin.get(name_key), pin.get(sha_key).lower()
+    if expected in ("none", "unknown"):
+        why = ("is not published on the package index" if expected == "none"
+               else "has no known sha256 (the index could not be read when the pin was written)")
+        raise AfdError(f"{filename} {why}: {sha_key}={pin.get(sha_key)} in {pin.path}; "
+                       f"nothing to fetch for {kind} of vLLM {pin.version}")
     cache = cache_dir()
     dest = cache / filename
 
@@ -279,19 +284,19 @@ def fetch_artifact(kind: str, pin: Pin | None = None, source: str | None = None)
             log(f"afdtool: copying {src} -> {dest}")
             shutil.copyfile(src, tmp)
             return _install_verified(tmp, dest, expected, str(src))
-        opener = _opener()
+        opener = opener_for_index()
         if source:
             url = source
         else:
             url = _resolve_from_index(opener, project, filename)
         # The index's address stays out of logs (it comes from pip's configuration).
-        where = _redact(url) if source else "the package index"
+        where = redact(url) if source else "the package index"
         log(f"afdtool: downloading {filename} from {where}")
         try:
             download(opener, url, tmp, filename)
         except (urllib.error.URLError, OSError) as exc:
-            raise AfdError(f"download of {filename} from {_redact(url)} failed: {exc}") from None
-        return _install_verified(tmp, dest, expected, _redact(url))
+            raise AfdError(f"download of {filename} from {redact(url)} failed: {exc}") from None
+        return _install_verified(tmp, dest, expected, redact(url))
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -302,11 +307,11 @@ def _resolve_from_index(opener, project: str, filename: str) -> str:
         try:
             url = find_file_url(opener, index, project, filename)
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            errors.append(f"{_redact(index)}: {exc}")
+            errors.append(f"{redact(index)}: {exc}")
             continue
         if url:
             return url
-        errors.append(f"{_redact(index)}: project {project!r} has no file {filename}")
+        errors.append(f"{redact(index)}: project {project!r} has no file {filename}")
     raise AfdError(
         f"could not find {filename} on the package index:\n  "
         + "\n  ".join(errors)
@@ -322,7 +327,7 @@ def _fetch_git(spec: str, pin: Pin, cache: Path) -> Path:
     try:
         if not repo.exists():
             workdir = Path(tempfile.mkdtemp(prefix="afd-git-"))
-            log(f"afdtool: cloning {_redact(spec)} (tag {tag})")
+            log(f"afdtool: cloning {redact(spec)} (tag {tag})")
             run_git(None, "clone", "-q", "--bare", "--depth=1", "--branch", tag, spec, str(workdir / "r"))
             repo = workdir / "r"
         commit = git(repo, "rev-parse", "-q", "--verify", f"refs/tags/{tag}^{{commit}}", check=False)
@@ -356,15 +361,10 @@ def add_arguments(parser) -> None:
         help="local archive FILE or DIR holding it, an http(s) URL, or git:PATH_OR_URL "
         "(a checkout with tag v<VERSION>; sdist only)",
     )
-    from .series import add_repo_arguments
-
-    add_repo_arguments(parser)
 
 
 def run(args) -> int:
-    from .series import load_repo
-
-    pin = load_repo(args.repo_root).pin
+    pin = args.target.pin
     kinds = list(ARTIFACTS) if args.what == "all" else [args.what]
     if args.source and len(kinds) > 1 and not Path(args.source).is_dir():
         raise AfdError("--source with `all` must be a directory holding the three files")

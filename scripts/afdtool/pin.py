@@ -54,8 +54,9 @@ def parse_pin_text(text: str, path: Path) -> Pin:
     return Pin(path=path, values=values)
 
 
-def load_pin(path: Path | None = None) -> Pin:
-    path = Path(path or os.environ.get("AFD_PIN_FILE") or REPO_ROOT / "VLLM_VERSION")
+def load_pin(path: Path) -> Pin:
+    """Parse one pin file (targets.resolve picks which: the primary or targets/X/VLLM_VERSION)."""
+    path = Path(path)
     if not path.is_file():
         raise PinError(f"pin file not found: {path}")
     return parse_pin_text(path.read_text(), path)

@@ -7,65 +7,18 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import AfdError
-from .pin import REPO_ROOT, Pin, PinError, load_pin
+
+if TYPE_CHECKING:
+    from .targets import Target
 
 # Bump when the way a tree is built changes, so old trees are rebuilt.
 STATE_FORMAT = 1
 OWNED_PATCH_RE = re.compile(r"^\d{4}-.*\.patch$")
 MAIL_START_RE = re.compile(rb"^From [0-9a-f]{40} Mon Sep 17 00:00:00 2001$", re.M)
 SKIP_NAMES = {"__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache"}
-
-
-def add_repo_arguments(parser) -> None:
-    parser.add_argument(
-        "--repo-root",
-        type=Path,
-        default=None,
-        help="where overlay/, patches/ and VLLM_VERSION live (env AFD_REPO_ROOT; default: this repo)",
-    )
-
-
-def add_tree_argument(parser) -> None:
-    parser.add_argument(
-        "--tree",
-        type=Path,
-        default=None,
-        help="build tree (env AFD_BUILD_TREE; default: <repo>/build/vllm)",
-    )
-
-
-@dataclass
-class Repo:
-    root: Path
-    pin: Pin
-
-    @property
-    def overlay(self) -> Path:
-        return self.root / "overlay"
-
-    @property
-    def patches(self) -> Path:
-        return self.root / "patches"
-
-    @property
-    def series_file(self) -> Path:
-        return self.patches / "series"
-
-
-def load_repo(repo_root: Path | None = None) -> Repo:
-    root = Path(repo_root or os.environ.get("AFD_REPO_ROOT") or REPO_ROOT).resolve()
-    pin_path = os.environ.get("AFD_PIN_FILE") or root / "VLLM_VERSION"
-    try:
-        pin = load_pin(Path(pin_path))
-    except PinError as exc:
-        raise AfdError(str(exc)) from None
-    return Repo(root=root, pin=pin)
-
-
-def default_tree(repo: Repo, tree: Path | None = None) -> Path:
-    return Path(tree or os.environ.get("AFD_BUILD_TREE") or repo.root / "build" / "vllm").absolute()
 
 
 @dataclass
@@ -79,7 +32,7 @@ class Series:
         return [name for _, name in self.entries]
 
 
-def read_series(repo: Repo) -> Series:
+def read_series(repo: Target) -> Series:
     path = repo.series_file
     if not path.is_file():
         return Series(path=path, header=[], entries=[])
@@ -100,7 +53,7 @@ def read_series(repo: Repo) -> Series:
     return Series(path=path, header=header, entries=entries)
 
 
-def lint_series(repo: Repo, series: Series) -> list[str]:
+def lint_series(repo: Target, series: Series) -> list[str]:
     """Problems between the series file and patches/ (empty list = fine)."""
     problems = []
     seen: dict[str, int] = {}
@@ -113,26 +66,30 @@ def lint_series(repo: Repo, series: Series) -> list[str]:
         seen[name] = lineno
         f = repo.patches / name
         if not f.is_file():
-            problems.append(f"{series.path}:{lineno}: {name} is listed but patches/{name} is missing")
+            problems.append(f"{series.path}:{lineno}: {name} is listed but "
+                            f"{repo.patches_label}/{name} is missing")
             continue
         data = f.read_bytes()
         mails = len(MAIL_START_RE.findall(data))
         if mails != 1:
             problems.append(
-                f"patches/{name}: expected exactly one `git format-patch` mail, found {mails}"
+                f"{repo.patches_label}/{name}: expected exactly one `git format-patch` mail, "
+                f"found {mails}"
             )
     if repo.patches.is_dir():
         for f in sorted(repo.patches.glob("*.patch")):
             if f.name not in seen:
-                problems.append(f"patches/{f.name} is not listed in {series.path.name}")
+                problems.append(f"{repo.patches_label}/{f.name} is not listed in "
+                                f"{series.path.name}")
     return problems
 
 
-def require_clean_series(repo: Repo, series: Series) -> list[Path]:
+def require_clean_series(repo: Target, series: Series) -> list[Path]:
     """Return the patch paths in order, or raise on missing/duplicate entries."""
     problems = [p for p in lint_series(repo, series) if "is not listed" not in p]
     if problems:
-        raise AfdError("patches/series is inconsistent:\n  " + "\n  ".join(problems))
+        raise AfdError(f"{repo.patches_label}/series is inconsistent:\n  "
+                       + "\n  ".join(problems))
     return [repo.patches / name for name in series.names]
 
 
@@ -153,7 +110,7 @@ def overlay_files(overlay: Path) -> dict[str, Path]:
     return result
 
 
-def inputs_fingerprint(repo: Repo, source: str | None = None) -> str:
+def inputs_fingerprint(repo: Target, source: str | None = None) -> str:
     """sha256 over everything that determines the built tree."""
     h = hashlib.sha256()
 

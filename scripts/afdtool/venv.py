@@ -13,12 +13,12 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from afdtool.fetch import sha256_file
-from afdtool.pin import REPO_ROOT, load_pin
+from afdtool.pin import REPO_ROOT, Pin
+from afdtool.targets import Target
 
 try:
     from afdtool.errors import AfdError
@@ -75,10 +75,10 @@ def base_digest(pin_values: dict[str, str], reqs: list[str], python: str) -> str
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def default_cpu_wheel(dist: Path) -> Path:
+def default_cpu_wheel(dist: Path, target: Target) -> Path:
     from afdtool.wheel import expected_wheel_path
 
-    return expected_wheel_path("cpu", dist)
+    return expected_wheel_path("cpu", dist, target)
 
 
 def _run(cmd: list[str], **kw) -> None:
@@ -102,11 +102,10 @@ def _installed(py: Path, names: list[str]) -> dict[str, str]:
     return json.loads(proc.stdout) if proc.returncode == 0 else {}
 
 
-def ensure_venv(venv: Path, wheel: Path, python: str = "python3") -> str:
-    """Bring venv up to date. Returns 'up to date', 'wheel' or 'full'."""
+def ensure_venv(venv: Path, wheel: Path, pin: Pin, python: str = "python3") -> str:
+    """Bring venv up to date for `pin` (its TORCH). Returns 'up to date', 'wheel' or 'full'."""
     if not wheel.is_file():
         raise AfdError(f"CPU wheel {wheel} is missing; run `make wheel-cpu`")
-    pin = load_pin()
     reqs = requirements(pin.get("TORCH"))
     stamp_path = venv / STAMP_NAME
     py = venv / "bin" / "python"
@@ -163,7 +162,7 @@ def ensure_venv(venv: Path, wheel: Path, python: str = "python3") -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--venv", default=str(REPO_ROOT / ".venv"))
+    parser.add_argument("--venv", default=None, help="default: the target's (.venv, .venv-X)")
     parser.add_argument("--wheel", default=None, help="CPU wheel (default: dist/ for this rev)")
     parser.add_argument("--dist", default=str(REPO_ROOT / "dist"))
     parser.add_argument("--python", default="python3", help="interpreter that creates the venv")
@@ -171,11 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    wheel = Path(args.wheel) if args.wheel else default_cpu_wheel(Path(args.dist))
-    mode = ensure_venv(Path(args.venv), wheel, args.python)
-    print(f"venv {args.venv}: {mode} [{time.monotonic() - t0:.1f}s]")
+    wheel = Path(args.wheel) if args.wheel else default_cpu_wheel(Path(args.dist), args.target)
+    venv = Path(args.venv) if args.venv else args.target.venv
+    mode = ensure_venv(venv, wheel, args.target.pin, args.python)
+    print(f"venv {venv}: {mode} [{time.monotonic() - t0:.1f}s]")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run(argparse.Namespace(venv=".venv", wheel=None, dist="dist", python="python3")))

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from afdtool.fetch import sha256_file
-from afdtool.pin import REPO_ROOT, Pin, cache_dir, load_pin
-from afdtool.revision import patchset_revision
+from afdtool.pin import REPO_ROOT, Pin, cache_dir
+from afdtool.targets import Target
 
 TAG = "cp38-abi3-manylinux_2_28_x86_64"
 BASE_REF = "afd/base"
@@ -534,23 +534,22 @@ def _stamp_path(out_path: Path) -> Path:
     return out_path.with_name("." + out_path.name + ".stamp")
 
 
-def expected_wheel_path(variant: str, out_dir: Path, repo_root: Path = REPO_ROOT) -> Path:
-    pin = load_pin()
-    rev = patchset_revision(repo_root)
-    return out_dir / wheel_filename(wheel_version(pin.version, rev, variant))
+def expected_wheel_path(variant: str, out_dir: Path, target: Target) -> Path:
+    """dist/vllm-<target version>+afd.<target revision>[.cpu]-...whl."""
+    return out_dir / wheel_filename(wheel_version(target.version, target.revision, variant))
 
 
 def build(
     variant: str,
-    tree: Path,
+    target: Target,
     out_dir: Path,
     *,
-    repo_root: Path = REPO_ROOT,
     upstream: Path | None = None,
     force: bool = False,
 ) -> BuildResult:
-    pin = load_pin()
-    rev = patchset_revision(repo_root)
+    """The custom wheel of `target`: its pin's upstream wheel + its tree, named +afd.<its rev>."""
+    pin, tree = target.pin, target.tree
+    rev = target.revision
     version = wheel_version(pin.version, rev, variant)
     if upstream is None:
         upstream = upstream_wheel(variant, pin)
@@ -613,7 +612,6 @@ def build(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", choices=VARIANTS, default="cuda")
-    parser.add_argument("--tree", default=str(REPO_ROOT / "build" / "vllm"))
     parser.add_argument("--out", default=str(REPO_ROOT / "dist"))
     parser.add_argument("--upstream", default=None, help="use this upstream wheel file")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
@@ -623,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     result = build(
         args.variant,
-        Path(args.tree),
+        args.target,
         Path(args.out),
         upstream=Path(args.upstream) if args.upstream else None,
         force=args.force,

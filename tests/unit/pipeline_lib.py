@@ -1,7 +1,7 @@
 """Helpers and fixtures for the tooling tests: a tiny synthetic "upstream vLLM" archive, pin,
 cache, repo and build tree.
 Everything lives under tmp_path and is wired to afdtool through env variables
-(AFD_PIN_FILE, AFD_CACHE_DIR, AFD_REPO_ROOT, AFD_BUILD_TREE, AFD_INDEX_URL).
+(AFD_CACHE_DIR, AFD_REPO_ROOT, AFD_BUILD_TREE, AFD_INDEX_URL).
 """
 
 from __future__ import annotations
@@ -119,7 +119,6 @@ def afd(tmp_path, monkeypatch) -> Env:
     tree = tmp_path / "build" / "vllm"
     for key, value in GIT_ENV.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("AFD_PIN_FILE", str(pin))
     monkeypatch.setenv("AFD_CACHE_DIR", str(cache))
     monkeypatch.setenv("AFD_REPO_ROOT", str(repo))
     monkeypatch.setenv("AFD_BUILD_TREE", str(tree))

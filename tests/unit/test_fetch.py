@@ -20,7 +20,7 @@ def no_network(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("network must not be used")
 
-    monkeypatch.setattr(fetch, "_opener", boom)
+    monkeypatch.setattr(fetch, "opener_for_index", boom)
     monkeypatch.setattr(fetch, "index_urls", boom)
 
 
@@ -107,7 +107,7 @@ def index_server(afd, monkeypatch):
     root = afd.tmp / "www"
     (root / "files").mkdir(parents=True)
     big = os.urandom(5 * 1024 * 1024 + 17)
-    pin_file = Path(os.environ["AFD_PIN_FILE"])
+    pin_file = Path(os.environ["AFD_REPO_ROOT"]) / "VLLM_VERSION"
     text = pin_file.read_text()
     name = [ln.split("=", 1)[1] for ln in text.splitlines() if ln.startswith("WHEEL_CPU=")][0]
     old_sha = [ln.split("=", 1)[1] for ln in text.splitlines()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pipeline_lib import TRAILERS, git
 
-from afdtool.series import load_repo
+from afdtool.targets import resolve
 
 
 def state_head(afd) -> str:
@@ -232,10 +232,10 @@ REAL_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_real_pinned_series(tmp_path, monkeypatch, capsys):
-    for var in ("AFD_PIN_FILE", "AFD_REPO_ROOT", "AFD_BUILD_TREE"):
+    for var in ("AFD_REPO_ROOT", "AFD_BUILD_TREE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AFD_INDEX_URL", "http://127.0.0.1:9/simple")
-    repo = load_repo(REAL_ROOT)
+    repo = resolve(REAL_ROOT)
     from afdtool.pin import cache_dir
 
     if not (cache_dir() / repo.pin.get("SDIST")).is_file():

@@ -233,20 +233,21 @@ def test_rewrite_metadata_cpu_torch_line():
 
 
 def test_patchset_revision(tmp_path):
-    (tmp_path / "patches").mkdir()
-    (tmp_path / "overlay" / "vllm" / "afd").mkdir(parents=True)
-    (tmp_path / "patches" / "series").write_text("# comment\n0001-a.patch\n")
-    (tmp_path / "patches" / "0001-a.patch").write_text("a\n")
-    (tmp_path / "overlay" / "vllm" / "afd" / "x.py").write_text("x\n")
-    r1 = patchset_revision(tmp_path)
+    patches, overlay = tmp_path / "patches", tmp_path / "overlay"
+    patches.mkdir()
+    (overlay / "vllm" / "afd").mkdir(parents=True)
+    (patches / "series").write_text("# comment\n0001-a.patch\n")
+    (patches / "0001-a.patch").write_text("a\n")
+    (overlay / "vllm" / "afd" / "x.py").write_text("x\n")
+    r1 = patchset_revision(patches, overlay)
     assert len(r1) == 10 and all(c in "0123456789abcdef" for c in r1)
-    (tmp_path / "patches" / "unlisted.patch").write_text("ignored\n")
-    assert patchset_revision(tmp_path) == r1
-    (tmp_path / "patches" / "0001-a.patch").write_text("b\n")
-    r2 = patchset_revision(tmp_path)
+    (patches / "unlisted.patch").write_text("ignored\n")
+    assert patchset_revision(patches, overlay) == r1
+    (patches / "0001-a.patch").write_text("b\n")
+    r2 = patchset_revision(patches, overlay)
     assert r2 != r1
-    (tmp_path / "overlay" / "vllm" / "afd" / "y.py").write_text("")
-    assert patchset_revision(tmp_path) not in (r1, r2)
+    (overlay / "vllm" / "afd" / "y.py").write_text("")
+    assert patchset_revision(patches, overlay) not in (r1, r2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,9 +256,10 @@ def test_patchset_revision(tmp_path):
 
 
 def _real_inputs(variant: str):
-    from afdtool.pin import cache_dir, load_pin
+    from afdtool.pin import cache_dir
+    from afdtool.targets import resolve
 
-    pin = load_pin()
+    pin = resolve(REPO_ROOT).pin
     tree = REPO_ROOT / "build" / "vllm"
     up = cache_dir() / pin.get("WHEEL_CUDA" if variant == "cuda" else "WHEEL_CPU")
     if not (tree / ".git").exists():
@@ -272,7 +274,7 @@ def _real_inputs(variant: str):
 @pytest.mark.parametrize("variant", ["cpu", "cuda"])
 def test_real_wheel(variant, tmp_path):
     pin, tree, up = _real_inputs(variant)
-    rev = patchset_revision(REPO_ROOT)
+    rev = patchset_revision(REPO_ROOT / "patches", REPO_ROOT / "overlay")
     res = W.repack(up, tree, tmp_path, base_version=pin.version, rev=rev, variant=variant)
     changes = {c.path: c.status for c in W.tree_changes(tree)}
     with zipfile.ZipFile(up) as zu, zipfile.ZipFile(res.path) as zo:
