@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import prometheus_client
 import pytest
@@ -16,8 +17,19 @@ from vllm.afd import failure, metrics
 
 @pytest.fixture
 def mdir(tmp_path, monkeypatch):
-    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(tmp_path))
-    return tmp_path
+    """A private metrics directory (mode 0700, as the AFD runtime creates its own)."""
+    path = tmp_path / "afd-metrics"
+    path.mkdir(mode=0o700)
+    path.chmod(0o700)
+    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(path))
+    return path
+
+
+def overlay_env() -> dict[str, str]:
+    """The environment of a Python child that imports the AFD modules from the tree
+    (``import overlay_import; overlay_import.install()`` first), as this process does."""
+    tests_dir = Path(__file__).resolve().parents[1]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_dir), *sys.path])}
 
 
 def exposition(snapshots) -> dict[str, float]:
@@ -225,9 +237,9 @@ def test_failure_record_reaches_this_servers_engine_dead_error(mdir):
     assert failure.engine_dead_detail() == ""
     assert str(EngineDeadError()).endswith("for the root cause.")
     # a child process of this one (like a worker) records its failure, then exits
-    code = ("from vllm.afd import failure; "
+    code = ("import overlay_import; overlay_import.install(); from vllm.afd import failure; "
             "failure.record('attention', 0, 'lost AFD peer FFN rank 0 at 10.0.0.2:29600')")
-    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
+    subprocess.run([sys.executable, "-c", code], check=True, env=overlay_env())
     assert failure.failure_of_this_server() == "lost AFD peer FFN rank 0 at 10.0.0.2:29600"
     msg = str(EngineDeadError())
     assert msg.startswith("EngineCore encountered an issue.")
@@ -249,3 +261,174 @@ def test_failure_records_of_other_servers_and_old_ones_are_ignored(mdir):
     assert failure.failure_of_this_server() == "second"
     assert failure.failure_of_this_server(pid=999998) == "not ours"
     assert failure.failure_of_this_server(pid=424242) is None
+
+
+# ------------------------------------------------- the directory: who may write there
+OTHER_UID = 65534  # nobody
+
+
+@pytest.fixture
+def default_dir(tmp_path, monkeypatch):
+    """No VLLM_AFD_METRICS_DIR: the predictable default under a temp dir of this test."""
+    import tempfile
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.delenv("VLLM_AFD_METRICS_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return metrics.metrics_dir()
+
+
+@pytest.fixture
+def victim(tmp_path):
+    path = tmp_path / "victim.txt"
+    path.write_text("precious")
+    return path
+
+
+def write_snapshot(directory, name: str, **fields) -> None:
+    snap = {"pid": os.getpid(), "role": "attention", "rank": 0, "time": time.time(),
+            "counters": {"steps": 1}, **fields}
+    (directory / name).write_text(json.dumps(snap))
+
+
+def write_record(directory, name: str, message: str) -> None:
+    rec = {"role": "ffn", "rank": 0, "message": message, "time": time.time(),
+           "ancestry": [os.getpid()]}
+    (directory / name).write_text(json.dumps(rec))
+
+
+def owned_by_another_user(monkeypatch, *paths) -> None:
+    """Make os.fstat/os.stat/os.lstat report OTHER_UID as the owner of ``paths`` (as if
+    another user had created them: the test runs as one user)."""
+    inodes = {os.lstat(p).st_ino for p in paths}
+    for name in ("fstat", "stat", "lstat"):
+        real = getattr(os, name)
+
+        def fake(*args, _real=real, **kwargs):
+            st = _real(*args, **kwargs)
+            if st.st_ino not in inodes:
+                return st
+            fields = list(st[:10])
+            fields[4] = OTHER_UID  # st_uid
+            return os.stat_result(fields)
+
+        monkeypatch.setattr(os, name, fake)
+
+
+def test_default_dir_is_per_user_and_private(default_dir):
+    assert default_dir.name == f"vllm-afd-{os.geteuid()}"
+    failure.record("ffn", 0, "lost AFD peer attention rank 0")
+    st = os.lstat(default_dir)
+    assert st.st_uid == os.geteuid() and (st.st_mode & 0o777) == 0o700
+    (path,) = default_dir.iterdir()
+    assert path.name == f"ffn-0-{os.getpid()}.error"
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert failure.failure_of_this_server() == "lost AFD peer attention rank 0"
+
+
+def test_a_symlink_planted_at_the_default_dir_is_not_followed(default_dir, tmp_path):
+    """Another user creates the predictable directory as a symlink to a directory of the
+    victim's: nothing is written there, nothing is read from there."""
+    target = tmp_path / "victims_dir"
+    target.mkdir(mode=0o700)
+    write_record(target, "ffn-0-1.error", "forged")
+    default_dir.symlink_to(target)
+    failure.record("ffn", 0, "lost AFD peer")
+    st = metrics.AFDStats()
+    st.start("attention", 0, dict)
+    st.close()
+    assert [p.name for p in target.iterdir()] == ["ffn-0-1.error"]
+    assert failure.failure_of_this_server() is None
+
+
+def test_symlinks_in_the_dir_are_not_followed(mdir, victim):
+    """Symlinks at the names a writer uses (its final and its former temp names) and at a
+    snapshot's name: the victim file is neither overwritten nor read."""
+    pid = os.getpid()
+    for name in (f"ffn-0-{pid}.error", f"ffn-0-{pid}.error-tmp", f"attention-0-{pid}.json",
+                 f"attention-0-{pid}.tmp"):
+        (mdir / name).symlink_to(victim)
+    failure.record("ffn", 0, "lost AFD peer attention rank 0")
+    st = metrics.AFDStats()
+    st.start("attention", 0, dict)
+    try:
+        st.write()
+        assert victim.read_text() == "precious"
+        assert failure.failure_of_this_server() == "lost AFD peer attention rank 0"
+        assert [s["pid"] for s in metrics.read_snapshots()] == [pid]
+    finally:
+        st.close()
+    # a symlink to a file holding a valid snapshot is not read either
+    write_snapshot(victim.parent, "valid.json")
+    (mdir / "linked-0-1.json").symlink_to(victim.parent / "valid.json")
+    assert metrics.read_snapshots() == []
+    assert victim.read_text() == "precious"
+
+
+def test_files_of_another_user_are_ignored(mdir, monkeypatch):
+    write_snapshot(mdir, "attention-0-1.json")
+    write_record(mdir, "ffn-0-1.error", "forged by another user")
+    owned_by_another_user(monkeypatch, mdir / "attention-0-1.json", mdir / "ffn-0-1.error")
+    assert metrics.read_snapshots() == []
+    assert failure.failure_of_this_server() is None
+    write_record(mdir, "ffn-0-2.error", "ours")  # a file of this user still counts
+    assert failure.failure_of_this_server() == "ours"
+
+
+@pytest.mark.parametrize("how", ["group-writable", "world-readable", "another owner"])
+def test_an_unsafe_dir_is_refused(mdir, monkeypatch, how):
+    """Nothing is written to or read from a directory that another user can write to, read,
+    or owns (VLLM_AFD_METRICS_DIR given or not): metrics and failure records are off."""
+    write_snapshot(mdir, "attention-0-1.json")
+    write_record(mdir, "ffn-0-1.error", "planted")
+    if how == "another owner":
+        owned_by_another_user(monkeypatch, mdir)
+    else:
+        mdir.chmod(0o770 if how == "group-writable" else 0o755)
+    assert metrics.read_snapshots() == []
+    assert failure.failure_of_this_server() is None
+    failure.record("ffn", 0, "lost AFD peer")
+    st = metrics.AFDStats()
+    st.start("attention", 0, dict)
+    st.write()
+    st.close()
+    assert sorted(p.name for p in mdir.iterdir()) == ["attention-0-1.json", "ffn-0-1.error"]
+    with pytest.raises(metrics.UnsafeMetricsDirError, match="VLLM_AFD_METRICS_DIR"):
+        metrics.check_metrics_dir()
+
+
+def test_oversized_files_are_ignored(mdir):
+    write_snapshot(mdir, "attention-0-1.json", pad="x" * (metrics.MAX_FILE_BYTES + 1))
+    write_record(mdir, "ffn-0-1.error", "y" * (metrics.MAX_FILE_BYTES + 1))
+    assert metrics.read_snapshots() == []
+    assert failure.failure_of_this_server() is None
+
+
+def test_failure_text_is_sanitised(mdir):
+    """The recorded text reaches clients (EngineDeadError): no control characters (a
+    terminal escape, a forged log line), and a bounded length."""
+    failure.record("ffn", 0, "lost AFD peer\x1b[2J\r\nERROR forged line\x00" + "z" * 5000)
+    msg = failure.failure_of_this_server()
+    assert msg.startswith("lost AFD peer")
+    assert len(msg) <= failure.MAX_MESSAGE_CHARS
+    assert not any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in msg), repr(msg)
+    # a record written some other way is cleaned when read, too
+    write_record(mdir, "ffn-0-9.error", "bidi \u202eevil\u202c and\ttab" + "q" * 5000)
+    msg = failure.failure_of_this_server()
+    assert msg.startswith("bidi ") and "\u202e" not in msg and "\t" not in msg
+    assert len(msg) <= failure.MAX_MESSAGE_CHARS
+
+
+def test_snapshots_are_private_and_replaced_atomically(mdir):
+    st = metrics.AFDStats()
+    st.start("ffn", 0, dict)
+    try:
+        for _ in range(3):
+            st.write()
+        (path,) = mdir.iterdir()  # no temp file left beside it
+        assert path.name == f"ffn-0-{os.getpid()}.json"
+        assert (path.stat().st_mode & 0o777) == 0o600
+    finally:
+        st.close()
+    assert list(mdir.iterdir()) == []

@@ -5,10 +5,13 @@ A lost AFD peer fails the worker process; vLLM then ends the engine core and
 the API server answers every request with ``EngineDeadError``, whose text
 says only "EngineCore encountered an issue". The AFD runtime therefore
 records its failure in a small file (``<role>-<rank>-<pid>.error`` next to
-the metrics snapshots, see :func:`vllm.afd.metrics.metrics_dir`) before the
-exception travels up, and ``EngineDeadError`` (patch 0011) appends the
-failure of its own server's processes: the client reads e.g. "... AFD: lost
-AFD peer FFN rank 0 at 10.0.0.2:29600: connection closed".
+the metrics snapshots, in the private directory of
+:func:`vllm.afd.metrics.metrics_dir`) before the exception travels up, and
+``EngineDeadError`` (patch 0011) appends the failure of its own server's
+processes: the client reads e.g. "... AFD: lost AFD peer FFN rank 0 at
+10.0.0.2:29600: connection closed". Since that text reaches clients it is
+cleaned on the way in and out (:func:`clean_message`: no control or format
+characters, at most :data:`MAX_MESSAGE_CHARS`).
 """
 
 from __future__ import annotations
@@ -16,33 +19,38 @@ from __future__ import annotations
 import json
 import os
 import time
+import unicodedata
 
-from vllm.afd.metrics import _parent, metrics_dir
+from vllm.afd.metrics import parent_pid, read_private_files, write_private_file
 
 MAX_AGE_S = 3600.0
+MAX_MESSAGE_CHARS = 500
+
+
+def clean_message(text: str) -> str:
+    """``text`` fit for a client's error message and a log line: control and format
+    characters (line breaks, terminal escapes, bidirectional overrides) become spaces,
+    runs of spaces one, and at most MAX_MESSAGE_CHARS characters are kept."""
+    chars = (" " if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") else c for c in text)
+    out = " ".join("".join(chars).split())
+    if len(out) > MAX_MESSAGE_CHARS:
+        out = out[: MAX_MESSAGE_CHARS - 3] + "..."
+    return out
 
 
 def _ancestry(pid: int) -> list[int]:
     chain = []
     while pid and pid > 1 and len(chain) < 64:
         chain.append(pid)
-        pid = _parent(pid)
+        pid = parent_pid(pid)
     return chain
 
 
 def record(role: str, rank: int, message: str) -> None:
     """Best effort: note this process's AFD failure (called before it raises on)."""
-    try:
-        directory = metrics_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"{role}-{rank}-{os.getpid()}.error"
-        tmp = path.with_suffix(".error-tmp")
-        tmp.write_text(json.dumps({"role": role, "rank": rank, "message": message,
-                                   "time": time.time(),
-                                   "ancestry": _ancestry(os.getpid())}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    rec = {"role": role, "rank": rank, "message": clean_message(message), "time": time.time(),
+           "ancestry": _ancestry(os.getpid())}  # fmt: skip
+    write_private_file(f"{role}-{rank}-{os.getpid()}.error", json.dumps(rec).encode())
 
 
 def failure_of_this_server(pid: int | None = None) -> str | None:
@@ -50,20 +58,16 @@ def failure_of_this_server(pid: int | None = None) -> str | None:
     a process it started, within the last hour; None when there is none."""
     pid = os.getpid() if pid is None else pid
     newest: tuple[float, str] | None = None
-    try:
-        paths = list(metrics_dir().glob("*.error"))
-    except OSError:
-        return None
     now = time.time()
-    for path in paths:
+    for _, data in read_private_files(".error"):
         try:
-            rec = json.loads(path.read_text())
-            t, msg, chain = float(rec["time"]), str(rec["message"]), rec["ancestry"]
-        except (OSError, ValueError, KeyError, TypeError):
+            rec = json.loads(data)
+            t, msg, chain = float(rec["time"]), str(rec["message"]), list(rec["ancestry"])
+        except (ValueError, KeyError, TypeError):
             continue
         if pid in chain and now - t <= MAX_AGE_S and (newest is None or t > newest[0]):
             newest = (t, msg)
-    return newest[1] if newest else None
+    return clean_message(newest[1]) if newest else None
 
 
 def engine_dead_detail() -> str:

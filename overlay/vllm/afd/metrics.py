@@ -4,12 +4,22 @@
 The AFD runtime runs in the engine-core / worker process, while ``/metrics``
 is served by the API-server process. Each AFD process keeps its figures in
 :data:`STATS` and a daemon thread writes them as one small JSON snapshot per
-process (``<role>-<rank>-<pid>.json`` under ``$VLLM_AFD_METRICS_DIR``,
-default ``<tmp>/vllm-afd-metrics``) every :data:`WRITE_INTERVAL_S`. The API
-server's collector (:func:`register_prometheus`, hooked into vLLM's
-``/metrics`` router) turns the snapshots of its own descendant processes
-into Prometheus series; snapshots of other or dead processes are ignored.
-Nothing is read from the network here.
+process (``<role>-<rank>-<pid>.json`` in :func:`metrics_dir`) every
+:data:`WRITE_INTERVAL_S`. The API server's collector
+(:func:`register_prometheus`, hooked into vLLM's ``/metrics`` router) turns
+the snapshots of its own descendant processes into Prometheus series;
+snapshots of other or dead processes are ignored. Nothing is read from the
+network here.
+
+The directory (``$VLLM_AFD_METRICS_DIR``, default ``<tmp>/vllm-afd-<uid>``)
+also holds the failure records of :mod:`vllm.afd.failure`, whose text reaches
+clients. It must be private: a real directory (not a symlink), owned by this
+user, no permission bits for group or others; it is created so (mode 0700).
+Any other is refused (:class:`UnsafeMetricsDirError`, logged once): the AFD
+metrics and failure records are then off and serving goes on. Files are
+written under a random temp name (``O_CREAT|O_EXCL|O_NOFOLLOW``, mode 0600)
+and renamed into place; readers open them with ``O_NOFOLLOW`` and read only
+regular files of this user up to :data:`MAX_FILE_BYTES`.
 
 Series (all labelled ``role`` and ``afd_rank``):
 
@@ -38,11 +48,17 @@ import atexit
 import contextlib
 import json
 import os
+import secrets
+import stat
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 WRITE_INTERVAL_S = 0.5
 # Seconds; per-step AFD times range from tens of microseconds (CPU, tiny
@@ -86,11 +102,151 @@ LAYER_COUNTERS = {
 }
 
 
+# --------------------------------------------------------- the private directory
+METRICS_DIR_ENV = "VLLM_AFD_METRICS_DIR"
+MAX_FILE_BYTES = 1 << 20  # a snapshot of a 100-layer FFN rank is ~20 KiB
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_reported: set[str] = set()
+
+
+class UnsafeMetricsDirError(OSError):
+    """The metrics directory is not private to this user."""
+
+
 def metrics_dir() -> Path:
+    """``$VLLM_AFD_METRICS_DIR``, default ``<tmp>/vllm-afd-<uid>`` (one per user)."""
     return Path(
-        os.environ.get("VLLM_AFD_METRICS_DIR")
-        or os.path.join(tempfile.gettempdir(), "vllm-afd-metrics")
+        os.environ.get(METRICS_DIR_ENV)
+        or os.path.join(tempfile.gettempdir(), f"vllm-afd-{os.geteuid()}")
     )
+
+
+def _refuse(path: Path, why: str) -> UnsafeMetricsDirError:
+    return UnsafeMetricsDirError(
+        f"AFD: the metrics directory {path} {why}; it also holds the failure text that "
+        f"clients see, so it must be private. Remove it, or set {METRICS_DIR_ENV} to a "
+        "directory of this user with mode 0700 (it is created so when missing)"
+    )
+
+
+def _check_dir_fd(fd: int, path: Path) -> None:
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        raise _refuse(path, f"is owned by uid {st.st_uid}, not by this user (uid "
+                            f"{os.geteuid()})")  # fmt: skip
+    if st.st_mode & 0o077:
+        raise _refuse(path, f"has mode {stat.S_IMODE(st.st_mode):04o}: other users can "
+                            "read or write it")  # fmt: skip
+
+
+def open_metrics_dir(create: bool) -> int | None:
+    """A descriptor of the checked metrics directory (the caller closes it); with
+    ``create`` it is made (mode 0700) when missing, else None then. Raises
+    :class:`UnsafeMetricsDirError` for a symlink, a non-directory, another owner or
+    group/other permission bits."""
+    path = metrics_dir()
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    try:
+        fd = os.open(path, _OPEN_DIR)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    except OSError as e:  # ELOOP: a symlink; ENOTDIR: not a directory
+        raise _refuse(path, f"is not a plain directory ({e.strerror})") from e
+    try:
+        _check_dir_fd(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_metrics_dir() -> Path:
+    """The metrics directory, created when missing; raises UnsafeMetricsDirError."""
+    os.close(open_metrics_dir(create=True))
+    return metrics_dir()
+
+
+@contextlib.contextmanager
+def _metrics_dir_fd(create: bool):
+    """The directory's descriptor, or None when it is missing or unusable (an unsafe
+    one is logged once per process and reason)."""
+    try:
+        fd = open_metrics_dir(create)
+    except OSError as e:
+        if str(e) not in _reported:
+            _reported.add(str(e))
+            logger.error("%s; AFD metrics and failure records are off", e)
+        fd = None
+    try:
+        yield fd
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def write_private_file(name: str, data: bytes) -> bool:
+    """Write ``name`` in the metrics directory atomically: a new temp file of a random
+    name (never a file or link that is there), then a rename over ``name`` (which
+    replaces a link there, not its target). False when it could not be written."""
+    with _metrics_dir_fd(create=True) as dfd:
+        if dfd is None:
+            return False
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, _OPEN_NEW, 0o600, dir_fd=dfd)
+            with open(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            return False
+    return True
+
+
+def remove_private_file(name: str) -> None:
+    with _metrics_dir_fd(create=False) as dfd, contextlib.suppress(OSError):
+        if dfd is not None:
+            os.unlink(name, dir_fd=dfd)
+
+
+def read_private_files(suffix: str) -> list[tuple[str, bytes]]:
+    """(name, content) of the files ``*<suffix>`` in the metrics directory that are
+    regular files of this user of at most MAX_FILE_BYTES (links are not followed)."""
+    out = []
+    with _metrics_dir_fd(create=False) as dfd:
+        if dfd is None:
+            return []
+        for name in sorted(os.listdir(dfd)):
+            if name.endswith(suffix) and not name.startswith("."):
+                data = _read_own_file(dfd, name)
+                if data is not None:
+                    out.append((name, data))
+    return out
+
+
+def _read_own_file(dfd: int, name: str) -> bytes | None:
+    try:
+        fd = os.open(name, _OPEN_READ, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        data = os.read(fd, MAX_FILE_BYTES + 1)
+        return data if len(data) <= MAX_FILE_BYTES else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class _Histogram:
@@ -123,7 +279,7 @@ class AFDStats:
         self.peers: Callable[[], dict[str, bool]] | None = None
         self._writer: threading.Thread | None = None
         self._stop = threading.Event()
-        self._path: Path | None = None
+        self._name: str | None = None
 
     # -- recording ---------------------------------------------------------
     def inc(self, name: str, n: float = 1) -> None:
@@ -178,26 +334,18 @@ class AFDStats:
         self.role, self.rank, self.peers = role, rank, peers
         if self._writer is not None:
             return
-        directory = metrics_dir()
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            return  # metrics are best effort; serving goes on
-        self._path = directory / f"{role}-{rank}-{os.getpid()}.json"
-        self.write()
+        self._name = f"{role}-{rank}-{os.getpid()}.json"
+        if not self.write():
+            self._name = None
+            return  # metrics are best effort (an unsafe directory is logged); serving goes on
         self._writer = threading.Thread(target=self._loop, name="afd-metrics", daemon=True)
         self._writer.start()
         atexit.register(self.close)
 
-    def write(self) -> None:
-        if self._path is None:
-            return
-        tmp = self._path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(self.snapshot()))
-            os.replace(tmp, self._path)
-        except OSError:
-            pass
+    def write(self) -> bool:
+        if self._name is None:
+            return False
+        return write_private_file(self._name, json.dumps(self.snapshot()).encode())
 
     def _loop(self) -> None:
         while not self._stop.wait(WRITE_INTERVAL_S):
@@ -205,17 +353,16 @@ class AFDStats:
 
     def close(self) -> None:
         self._stop.set()
-        if self._path is not None:
-            with contextlib.suppress(OSError):
-                self._path.unlink()
-            self._path = None
+        if self._name is not None:
+            remove_private_file(self._name)
+            self._name = None
 
 
 STATS = AFDStats()
 
 
 # ---------------------------------------------------------------- collector
-def _parent(pid: int) -> int | None:
+def parent_pid(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
@@ -234,7 +381,7 @@ def is_descendant(pid: int, ancestor: int) -> bool:
             return True
         if pid is None or pid <= 1:
             return False
-        pid = _parent(pid)
+        pid = parent_pid(pid)
     return False
 
 
@@ -243,15 +390,11 @@ def read_snapshots(ancestor: int | None = None) -> list[dict]:
     process) or its descendants; the newest per (role, rank)."""
     ancestor = os.getpid() if ancestor is None else ancestor
     best: dict[tuple, dict] = {}
-    try:
-        paths = sorted(metrics_dir().glob("*.json"))
-    except OSError:
-        return []
-    for path in paths:
+    for _, data in read_private_files(".json"):
         try:
-            snap = json.loads(path.read_text())
+            snap = json.loads(data)
             pid = int(snap["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             continue
         if not is_descendant(pid, ancestor):
             continue
