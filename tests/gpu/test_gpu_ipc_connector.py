@@ -5,7 +5,9 @@ what the FFN process computed, also for DBO steps (two micro-batch slots, each
 exchange on its own stream) and for a global-mode capture that lasts longer
 than the watchdog's period (graph_capture_guard); a stalled FFN process and a
 killed one both end in the attention side's failure callback within a bounded
-time.
+time. With two attention ranks, one rank that sets its own error word on the
+FFN rank ends its own session only, and can join again; a buffer description
+of the wrong size is refused with the field named.
 """
 
 from __future__ import annotations
@@ -35,27 +37,26 @@ def _free_port() -> int:
     return su.free_port()
 
 
-def _ctx(role: str, port: int):
+def _ctx(role: str, port: int, rank: int = 0, m: int = 1):
     from vllm.afd.protocol import FINGERPRINT_KEYS, PROTOCOL_VERSION
     from vllm.config.afd import AFDConfig
     from vllm.distributed.afd.base import ConnectorContext
 
-    cfg = AFDConfig.from_dict(
-        {"role": role, "connector": "cuda_ipc", "port": port, "timeout_s": TIMEOUT_S}
-    )
+    cfg = AFDConfig.from_dict({"role": role, "connector": "cuda_ipc", "port": port,
+                               "timeout_s": TIMEOUT_S, "num_attention_ranks": m})  # fmt: skip
     fp = {k: "x" for k in FINGERPRINT_KEYS}
     fp.update(protocol=PROTOCOL_VERSION, hidden_size=HIDDEN, dtype="bfloat16",
               ffn_layers=list(range(LAYERS)), connector="cuda_ipc",
-              num_attention_ranks=1, num_ffn_ranks=1, compute_gate_on_attention=False,
+              num_attention_ranks=m, num_ffn_ranks=1, compute_gate_on_attention=False,
               max_num_tokens=MAX_TOKENS, afd_revision="test")  # fmt: skip
-    return ConnectorContext(cfg, 0, fp, MAX_TOKENS, torch.device("cuda:0"))
+    return ConnectorContext(cfg, rank, fp, MAX_TOKENS, torch.device("cuda:0"))
 
 
-def _ffn_main(port: int, stall_after: int, ready) -> None:
+def _ffn_main(port: int, stall_after: int, ready, m: int = 1) -> None:
     from vllm.distributed.afd.base import create_ffn_connector
 
     torch.cuda.set_device(0)
-    conn = create_ffn_connector(_ctx("ffn", port))
+    conn = create_ffn_connector(_ctx("ffn", port, m=m))
     conn.start()
     ready.set()
     from vllm.afd.protocol import ubatch_of
@@ -86,29 +87,42 @@ def _reference(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Pair:
-    def __init__(self, stall_after: int = 1 << 30):
-        from vllm.distributed.afd.base import create_attention_connector
+    """The FFN process and ``m`` attention ranks (connectors of this process)."""
 
+    def __init__(self, stall_after: int = 1 << 30, m: int = 1):
         # Everything slow first (imports, CUDA start): the FFN process waits
         # only timeout_s for this side.
         torch.zeros(1, device="cuda")
-        port = _free_port()
-        self.conn = create_attention_connector(_ctx("attention", port))
-        self.failures: list[tuple[float, str]] = []
-        self.conn.on_failure = lambda msg: self.failures.append((time.monotonic(), msg))
+        self.port = _free_port()
+        self.m = m
+        # Per rank: (time, message) of each failure its watchdog reported.
+        self.failed: dict[int, list[tuple[float, str]]] = {r: [] for r in range(m)}
+        self.failures = self.failed[0]
+        self.conns = [self.attention(r) for r in range(m)]
+        self.conn = self.conns[0]
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
-        self.ffn = ctx.Process(target=_ffn_main, args=(port, stall_after, ready), daemon=True)
+        self.ffn = ctx.Process(target=_ffn_main, args=(self.port, stall_after, ready, m),
+                               daemon=True)  # fmt: skip
         self.ffn.start()
         assert ready.wait(120), "FFN process did not start"
-        self.conn.connect()
+        for c in self.conns:
+            c.connect()
 
-    def step(self, x: torch.Tensor) -> torch.Tensor:
-        self.conn.begin_step(0, x.shape[0])
+    def attention(self, rank: int):
+        from vllm.distributed.afd.base import create_attention_connector
+
+        conn = create_attention_connector(_ctx("attention", self.port, rank, self.m))
+        conn.on_failure = lambda msg: self.failed[rank].append((time.monotonic(), msg))
+        return conn
+
+    def step(self, x: torch.Tensor, rank: int = 0) -> torch.Tensor:
+        conn = self.conns[rank]
+        conn.begin_step(0, x.shape[0])
         h = x
         for _ in range(LAYERS):
-            self.conn.send(h)
-            h = self.conn.recv(torch.empty_like(h))
+            conn.send(h)
+            h = conn.recv(torch.empty_like(h))
         return h
 
     def dbo_step(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -148,7 +162,8 @@ class _Pair:
         return self.failures[0][1]
 
     def close(self) -> None:
-        self.conn._closed.set()
+        for c in self.conns:
+            c._closed.set()
         if self.ffn.is_alive():
             os.kill(self.ffn.pid, signal.SIGKILL)
         self.ffn.join(10)
@@ -267,3 +282,54 @@ def test_a_long_global_mode_capture_survives_the_watchdog(pair):
     time.sleep(0.3)  # the watchdog probes the device again, without failures
     torch.cuda.synchronize()
     assert not p.failures and p.conn._watch.is_alive()
+
+
+
+def test_a_ranks_error_word_ends_only_its_own_session(pair, monkeypatch):
+    """Each attention rank has its own control buffer (control row, data flags, error
+    word) on the FFN rank, alone in its segment. Rank 0 writing its error word (as
+    when the FFN waited in vain for its data, or as a rank gone rogue) ends rank 0's
+    session: its FFN connection closes; rank 1 is served on. A rank 0 that joins
+    again with a buffer description of the wrong size is refused, naming the field,
+    before anything is mapped; one that joins again properly is served."""
+    from vllm.afd.protocol import AFDPeerError
+    from vllm.distributed.afd import cuda_ipc as ipc
+
+    p = pair(m=2)
+    x = torch.randn((8, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    for rank in (0, 1):
+        assert torch.equal(p.step(x, rank), _reference(x)), rank
+    ctrls = [c.ctrl.data_ptr() for c in p.conns]
+    assert ctrls[0] != ctrls[1]
+    assert all(ipc.mapped_range(c) == (c, 2 << 20) for c in ctrls), ctrls
+    p.conns[0].ctrl[ipc.ERR_ROW, 0] = 1
+    torch.cuda.synchronize()
+    msg = p.wait_failure(5)  # the FFN rank dropped rank 0 before it closed the socket
+    assert msg == f"lost AFD peer {p.conns[0].peer}: connection closed", msg
+    for _ in range(3):
+        assert torch.equal(p.step(x, 1), _reference(x))
+    assert p.failed[1] == [] and p.ffn.is_alive()
+    p.conns[0].close()
+
+    real = ipc.export_buffer
+
+    def oversize(t):
+        d = real(t)
+        d["storage_bytes"] += 1 << 20  # past the end of the buffer
+        return d
+
+    with monkeypatch.context() as m:
+        m.setattr(ipc, "export_buffer", oversize)
+        with pytest.raises(AFDPeerError, match=r"could not map this rank's buffers: cannot "
+                           r"map buffers: bad CUDA IPC description of the peer's flag row: "
+                           r"'storage_bytes' is 1048640, this side needs 64"):
+            p.attention(0).connect()  # fmt: skip
+    assert torch.equal(p.step(x, 1), _reference(x))
+    # A proper new session of rank 0: its buffers on the FFN rank start clean.
+    p.conns[0] = p.attention(0)
+    p.conns[0].connect()
+    y = torch.randn((5, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    for rank in (0, 1):
+        assert torch.equal(p.step(y, rank), _reference(y)), rank
+    torch.cuda.synchronize()
+    assert p.failed[1] == [] and len(p.failed[0]) == 1

@@ -76,8 +76,8 @@ def test_buffer_descriptions_travel_as_flat_scalar_hellos():
     flat = ipc._flat(desc)
     assert parse_hello(__import__("json").dumps(flat).encode()) == flat  # scalars only
     assert ipc._sub(flat, "a") == {"handle": "00ff", "numel": 3}
-    with pytest.raises(AFDProtocolError, match="bad CUDA IPC buffer description"):
-        ipc.import_buffer({"handle": "zz"})
+    with pytest.raises(AFDProtocolError, match="bad CUDA IPC description of the peer's inbox"):
+        ipc.import_buffer({"handle": "zz"}, 64, "inbox")
 
 
 @pytest.mark.parametrize("role", ["ffn", "attention"])
@@ -108,7 +108,8 @@ def test_ffn_side_answers_later_micro_batches_from_the_announced_counts():
 
     conn = create_ffn_connector(_ctx())
     assert conn.ubatch_controls_upfront and ipc.SLOTS == 2
-    box = conn.inboxes[0] = ipc._Inbox(0, torch.zeros(8, dtype=torch.uint8))
+    ctrl = torch.zeros((ipc.CTRL_ROWS, ipc.ROW), dtype=torch.int64)
+    box = conn.inboxes[0] = ipc._Inbox(0, ctrl, torch.zeros(8, dtype=torch.uint8), {})
     box.ub_tokens, box.next_ub = [3, 2], 1  # as _device_ready leaves them
     first = StepPeer(0, Control(MSG_STEP, 5, 3, ubatch_flags(0, 2)))
     second = conn.recv_control(first)
@@ -186,3 +187,101 @@ def test_every_graph_capture_of_the_worker_runs_inside_the_guard():
     assert sorted({s.func.attr for s in sites}) == ["capture_model", "profile_cudagraph_memory"]
     unguarded = [f"line {s.lineno}: {ast.unparse(s)}" for s in sites if not guarded(s)]
     assert not unguarded, f"{path}: captures outside graph_capture_guard: {unguarded}"
+
+
+# ------------------------------------------------- the watchdog's socket probe
+@pytest.fixture
+def high_fd_pair():
+    """A connected socket pair whose first socket has a descriptor >= 1024 (select()
+    refuses those; vLLM raises the file limit, so a process with ~1000 other files and
+    connections gets one). The soft file limit is raised for the test if needed."""
+    import os
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1500
+    if soft <= want:
+        assert hard == resource.RLIM_INFINITY or hard > want, f"hard file limit {hard}"
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want + 1, hard))
+    a, b = socket.socketpair()
+    fd = os.dup2(a.fileno(), want)
+    a.close()
+    high = socket.socket(fileno=fd)
+    high.settimeout(5.0)  # as the connector's socket (a timeout makes recv poll first)
+    try:
+        assert high.fileno() >= 1024
+        yield high, b
+    finally:
+        high.close()
+        b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_socket_probe_works_for_a_descriptor_above_1024(high_fd_pair):
+    """Issue 19, item 2: the probe used select(), whose ValueError for a descriptor
+    >= 1024 ended the watchdog thread: a lost FFN rank was never noticed."""
+    high, other = high_fd_pair
+    assert ipc.socket_lost(high) is None  # open, nothing to read; returns at once
+    other.send(b"x")
+    assert ipc.socket_lost(high) is None  # data waiting: still open, nothing consumed
+    assert high.recv(1) == b"x"
+    other.close()
+    assert ipc.socket_lost(high) == "connection closed"
+
+
+def test_socket_probe_reports_a_reset():
+    import socket
+    import struct
+    import time
+
+    # A reset (RST) needs TCP: a connection over the loopback.
+    lst = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(lst.getsockname())
+    srv, _ = lst.accept()
+    lst.close()
+    try:
+        cli.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        cli.close()
+        deadline = time.monotonic() + 5
+        while (lost := ipc.socket_lost(srv)) is None:
+            assert time.monotonic() < deadline, "no reset seen"
+        assert "reset" in lost.lower(), lost
+    finally:
+        srv.close()
+
+
+def test_attention_probe_of_a_socket_above_1024(high_fd_pair):
+    conn = create_attention_connector(_ctx(role="attention"))
+    conn._read_error_word = lambda: 0
+    high, other = high_fd_pair
+    conn.sock = high
+    assert conn._probe() is None
+    other.close()
+    assert conn._probe() == f"lost AFD peer {conn.peer}: connection closed"
+
+
+def test_a_failing_probe_fails_the_rank_with_a_named_error(monkeypatch):
+    """Never silently: an exception of the probe used to end the watchdog thread
+    without a word, and nothing watched the FFN rank any more."""
+    import threading
+
+    from vllm.afd import failure
+
+    conn = create_attention_connector(_ctx(role="attention"))
+    recorded, failed = [], threading.Event()
+    monkeypatch.setattr(failure, "record", lambda *a: recorded.append(a))
+
+    def probe():
+        raise ValueError("filedescriptor out of range in select()")
+
+    conn._probe = probe
+    conn.on_failure = lambda msg: (recorded.append(msg), failed.set())
+    watch = threading.Thread(target=conn._watchdog, daemon=True)
+    watch.start()
+    assert failed.wait(5), "the watchdog reported nothing"
+    watch.join(5)
+    msg = recorded[-1]
+    assert not watch.is_alive() and conn._dead == msg
+    assert msg.startswith(f"AFD watchdog of the connection to {conn.peer} failed (ValueError:")
+    assert recorded[0] == ("attention", 0, msg)

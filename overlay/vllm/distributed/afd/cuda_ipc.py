@@ -13,8 +13,17 @@ in CUDA graphs and the FFN role can replay its own graphs:
   reaches its own counter + 1. Counters live on the device, so a replayed
   graph advances them like an eager step does;
 * the step-control message (token count, flags) is written the same way, into
-  the FFN rank's control row; the FFN host polls that row with a small copy on
-  a side stream (the FFN rank has nothing else to do meanwhile);
+  the attention rank's control buffer on the FFN rank; the FFN host polls the
+  control buffers of its ranks with small copies on a side stream (the FFN
+  rank has nothing else to do meanwhile);
+* isolation: every buffer a side exports sits alone in a cudaMalloc segment
+  (CUDA IPC maps the peer the whole segment), and the FFN rank exports to each
+  attention rank only that rank's inbox and control buffer (its control row,
+  its data flags, the error word of the waits for its data): a rank can
+  neither reach another rank's steps nor end their sessions. A peer's buffer
+  description is checked field by field against the exact size this side
+  needs before anything is mapped, and the mapped segment's size after; the
+  peer's reference-counter and event fields are never used;
 * DBO: every inbox, flag and counter exists once per micro-batch slot (up to
   ``IPC_MAX_UBATCHES``). Micro-batch 0's control message announces the token
   counts of all micro-batches of the step (the FFN rank can then replay one
@@ -41,7 +50,7 @@ each process's device 0 its own GPU).
 
 from __future__ import annotations
 
-import select
+import socket
 import threading
 import time
 
@@ -56,6 +65,8 @@ from vllm.afd.protocol import (
     Control,
     pack_hello,
     parse_hello,
+    printable,
+    shown,
     ubatch_flags,
     ubatch_of,
     unpack_hello_preamble,
@@ -63,6 +74,7 @@ from vllm.afd.protocol import (
 from vllm.config.afd import IPC_MAX_UBATCHES
 from vllm.distributed.afd.base import ConnectorContext, StepPeer, register_connector
 from vllm.distributed.afd.channel import Peer as _Peer
+from vllm.distributed.afd.channel import readable
 from vllm.distributed.afd.channel import recv_bytes as _recv_bytes
 from vllm.distributed.afd.channel import send_all as _send_all
 from vllm.distributed.afd.tcp import TCPAttentionConnector, TCPFFNConnector
@@ -72,10 +84,17 @@ logger = init_logger(__name__)
 
 ALIGN = 256
 ROW = 8  # int64 words per flag row (64 bytes: every pointer the kernels get is aligned alike)
-# FFN control row of one attention rank: [0] control flag, [1] payload seq,
-# [2] num_tokens, [3] flags, [4, 5] data flags of micro-batch slots 0 and 1,
-# [6] num_tokens of micro-batch 1 (DBO steps).
+# Control buffer of one attention rank on its FFN rank (one per rank, exported
+# to that rank only): row 0 the control row - [0] control flag, [1] payload
+# seq, [2] num_tokens, [3] flags, [4, 5] data flags of micro-batch slots 0 and
+# 1, [6] num_tokens of micro-batch 1 (DBO steps) -; row 1 [0] the error word of
+# the FFN rank's device waits for this rank's data.
 C_FLAG, C_SEQ, C_TOKENS, C_FLAGS, C_DATA, C_UB1_TOKENS = 0, 1, 2, 3, 4, 6
+CTRL_ROWS, ERR_ROW = 2, 1
+CTRL_BYTES = CTRL_ROWS * ROW * 8
+# The attention rank's flag row (exported to its FFN rank): [s] the data flag
+# of micro-batch slot s, written by the FFN rank.
+FLAGS_BYTES = ROW * 8
 SLOTS = IPC_MAX_UBATCHES
 assert C_DATA + SLOTS <= C_UB1_TOKENS and SLOTS == 2
 POISON = 1 << 62
@@ -146,15 +165,46 @@ def _wait(ctr: torch.Tensor, flag: torch.Tensor, err: torch.Tensor, timeout_ns: 
 
 
 # ------------------------------------------------------- IPC of raw buffers
+# torch's shareable handle of a cudaMalloc segment: a version byte, b"c", then
+# the 64-byte cudaIpcMemHandle_t. CUDA IPC maps the importer the whole segment.
+IPC_HANDLE_BYTES = 66
+_HANDLE_CUDA_MALLOC = ord("c")
+_HANDLE_EXPANDABLE = ord("e")
+# torch's CUDA IPC names a shared-memory reference counter that the importing
+# process decrements when it drops the mapping. A peer's counter is never used
+# (it would let the peer pick an int64 in any shared-memory file of this host's
+# user for this process to decrement): the importer passes this name instead,
+# which shm_open refuses (EINVAL, a '/' inside the name), so torch's deleter
+# finds no counter and skips the decrement (its path for a producer that has
+# already exited). The exporter's buffers live as long as its process anyway.
+NO_REF_COUNTER = b"/afd-cuda-ipc/no-ref-counter"
+# Buffers exported to a peer: each in a memory pool of its own (see
+# exported_zeros), kept for the life of the process.
+_EXPORT_POOLS: list = []
+
+
+def exported_zeros(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed 1-D uint8 CUDA buffer alone in a cudaMalloc segment: CUDA IPC
+    maps a peer the whole segment of a buffer, so nothing else of this process
+    (another peer's buffer, model memory) may share it. A private memory pool
+    per buffer gives it a fresh segment, starting at the buffer."""
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device=device):
+        t = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    _EXPORT_POOLS.append(pool)
+    return t
+
+
 def export_buffer(t: torch.Tensor) -> dict:
-    """A JSON-able description of a 1-D uint8 CUDA tensor for another process
-    of this host (torch's own CUDA IPC, without pickling)."""
+    """A JSON-able description of a buffer of ``exported_zeros`` for another
+    process of this host (torch's own CUDA IPC, without pickling). Only the
+    mapping itself travels: no reference counter, no event (the exporter
+    synchronises its device before it sends the description)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     assert t.dtype == torch.uint8 and t.dim() == 1 and t.is_cuda
     _, args = reduce_tensor(t)
-    (_, size, _, offset, _, _, device, handle, storage_bytes, storage_offset, _,
-     ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
+    _, size, _, offset, _, _, device, handle, storage_bytes, storage_offset = args[:10]
     return {
         "numel": int(size[0]),
         "offset": int(offset),
@@ -162,30 +212,95 @@ def export_buffer(t: torch.Tensor) -> dict:
         "handle": bytes(handle).hex(),
         "storage_bytes": int(storage_bytes),
         "storage_offset": int(storage_offset),
-        "ref_handle": bytes(ref_handle).hex(),
-        "ref_offset": int(ref_offset),
-        "event_handle": bytes(event_handle).hex() if event_handle else "",
-        "event_sync": bool(event_sync),
     }
 
 
-def import_buffer(d: dict) -> torch.Tensor:
+def _int_field(d: dict, key: str, what: str) -> int:
+    v = d.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise AFDProtocolError(
+            f"bad CUDA IPC description of the peer's {what}: {key!r} is {shown(v)}, "
+            "expected a non-negative integer"
+        )
+    return v
+
+
+def check_buffer_desc(d: dict, nbytes: int, what: str, num_devices: int) -> tuple[int, bytes]:
+    """(device, handle) of a peer's description of its ``what`` buffer, which
+    must be exactly the ``nbytes`` this side needs, a whole segment of the
+    peer's (``exported_zeros``), on one of the ``num_devices`` devices this
+    process sees, with a handle of torch's cudaMalloc format. Every field is
+    checked before anything is mapped; AFDProtocolError names the first one
+    that is off. Fields beyond these (a reference counter, an event) are
+    ignored."""
+    if not isinstance(d, dict):
+        raise AFDProtocolError(f"bad CUDA IPC description of the peer's {what}: not an object")
+    fields = {k: _int_field(d, k, what)
+              for k in ("numel", "offset", "device", "storage_bytes", "storage_offset")}  # fmt: skip
+    expected = {"numel": nbytes, "offset": 0, "storage_bytes": nbytes, "storage_offset": 0}
+    for key, want in expected.items():
+        if fields[key] != want:
+            raise AFDProtocolError(
+                f"bad CUDA IPC description of the peer's {what}: {key!r} is {fields[key]}, "
+                f"this side needs {want} (a {nbytes}-byte buffer at the start of its own "
+                "segment; is the peer a different build of the connector?)"
+            )
+    if fields["device"] >= num_devices:
+        raise AFDProtocolError(
+            f"bad CUDA IPC description of the peer's {what}: 'device' is {fields['device']}, "
+            f"this process sees {num_devices} CUDA device(s)"
+        )
+    handle = d.get("handle")
+    try:
+        raw = bytes.fromhex(handle) if isinstance(handle, str) else None
+    except ValueError:
+        raw = None
+    if raw is None or len(raw) != IPC_HANDLE_BYTES or raw[1] != _HANDLE_CUDA_MALLOC:
+        hint = ""
+        if raw is not None and len(raw) > 1 and raw[1] == _HANDLE_EXPANDABLE:
+            hint = (
+                " (an expandable segment: set PYTORCH_CUDA_ALLOC_CONF without "
+                "expandable_segments:True on both servers)"
+            )
+        raise AFDProtocolError(
+            f"bad CUDA IPC description of the peer's {what}: 'handle' is not a "
+            f"{IPC_HANDLE_BYTES}-byte CUDA IPC handle of a cudaMalloc segment{hint}"
+        )
+    return fields["device"], raw
+
+
+def import_buffer(d: dict, nbytes: int, what: str) -> torch.Tensor:
+    """Map the peer's ``what`` buffer of ``nbytes`` bytes (a description of
+    ``export_buffer``), after ``check_buffer_desc``; then refuse it unless the
+    peer's mapped segment really holds ``nbytes`` bytes from its start."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    try:
-        numel, offset, device = int(d["numel"]), int(d["offset"]), int(d["device"])
-        handle = bytes.fromhex(d["handle"])
-        storage_bytes, storage_offset = int(d["storage_bytes"]), int(d["storage_offset"])
-        ref_handle, ref_offset = bytes.fromhex(d["ref_handle"]), int(d["ref_offset"])
-        event_handle = bytes.fromhex(d["event_handle"]) if d["event_handle"] else None
-        event_sync = bool(d["event_sync"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise AFDProtocolError(f"bad CUDA IPC buffer description: {e}") from e
-    return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size([numel]), (1,), offset, torch.storage.TypedStorage,
-        torch.uint8, device, handle, storage_bytes, storage_offset, False,
-        ref_handle, ref_offset, event_handle, event_sync,
+    device, handle = check_buffer_desc(d, nbytes, what, torch.cuda.device_count())
+    t = rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([nbytes]), (1,), 0, torch.storage.TypedStorage,
+        torch.uint8, device, handle, nbytes, 0, False,
+        NO_REF_COUNTER, 0, b"", False,
     )  # fmt: skip
+    base, size = mapped_range(t.data_ptr())
+    if base != t.data_ptr() or size < nbytes:
+        raise AFDProtocolError(
+            f"the peer's {what} maps {size} bytes at offset {t.data_ptr() - base} of its "
+            f"segment, this side needs {nbytes} from its start"
+        )
+    return t
+
+
+def mapped_range(ptr: int) -> tuple[int, int]:
+    """(base, size) of the device allocation (here: the mapping of a peer's
+    segment) that holds ``ptr``: cuMemGetAddressRange of the CUDA driver."""
+    import ctypes
+
+    fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise AFDProtocolError(f"cannot read the range of a mapped CUDA IPC buffer (CUresult {rc})")
+    return base.value, size.value
 
 
 def _exchange_desc(sock, mine: dict, deadline: float, peer: str, timeout: float) -> dict:
@@ -227,6 +342,23 @@ def _timeout_ns(ctx: ConnectorContext) -> int:
     return int(float(ctx.config.timeout_s) * 1e9)
 
 
+def socket_lost(sock: socket.socket) -> str | None:
+    """Why the peer's ``sock`` is gone ("connection closed" at EOF, the error
+    of a reset), None while it is open. Never blocks, and works for any
+    descriptor number (poll(2) and a non-blocking peek; select() refuses
+    descriptors >= 1024, which a process with more files open gets)."""
+    try:
+        if not readable([sock], 0):
+            return None
+        if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK):
+            return None  # data waiting, the connection is open
+        return "connection closed"
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as e:
+        return str(e)
+
+
 # ----------------------------------------------------------- attention side
 class IPCAttentionConnector(TCPAttentionConnector):
     graph_capable = True
@@ -260,34 +392,36 @@ class IPCAttentionConnector(TCPAttentionConnector):
         if dev.type != "cuda":
             raise RuntimeError("AFD cuda_ipc connector needs a CUDA device")
         self.slot_bytes = message_bytes(self.ctx)
-        # flags: row 0 [s] data flag of slot s, written by the FFN rank; row 1 [0]
-        # error word; row 2 the control counter; rows 3 + 2s, 4 + 2s: counters of
-        # data sent / received in slot s.
-        self.flags = torch.zeros((3 + 2 * SLOTS, ROW), dtype=torch.int64, device=dev)
-        self.outbox = torch.zeros(SLOTS * self.slot_bytes, dtype=torch.uint8, device=dev)
-        mine = _flat({"flags": export_buffer(self.flags.view(-1).view(torch.uint8)),
-                      "outbox": export_buffer(self.outbox)})  # fmt: skip
+        inbox_bytes = SLOTS * self.slot_bytes
+        # Exported to the FFN rank, which writes them: the data flags of the
+        # micro-batch slots and the outbox (each alone in its segment).
+        flags = exported_zeros(FLAGS_BYTES, dev)
+        self.outbox = exported_zeros(inbox_bytes, dev)
+        # This rank's own: row 0 [0] the error word; row 1 the control counter;
+        # rows 2 + 2s, 3 + 2s: counters of data sent / received in slot s.
+        self.state = torch.zeros((2 + 2 * SLOTS, ROW), dtype=torch.int64, device=dev)
+        torch.cuda.synchronize(dev)  # zeroed before the FFN rank can write them
+        mine = _flat({"flags": export_buffer(flags), "outbox": export_buffer(self.outbox)})
         deadline = time.monotonic() + self.timeout
         remote = _exchange_desc(self.sock, mine, deadline, self.peer, self.timeout)
         if remote.get("status") != "ok":
             raise AFDPeerError(
-                f"AFD {self.peer} could not map this rank's buffers: {remote.get('status')}"
+                f"AFD {self.peer} could not map this rank's buffers: "
+                f"{printable(remote.get('status'))}"
             )
-        ctrl = import_buffer(_sub(remote, "ctrl")).view(torch.int64).view(-1, ROW)
-        self.inbox = import_buffer(_sub(remote, "inbox"))
-        if self.inbox.numel() != SLOTS * self.slot_bytes:
-            raise AFDPeerError(
-                f"AFD {self.peer} offers an inbox of {self.inbox.numel()} bytes, this rank "
-                f"needs {SLOTS * self.slot_bytes} (a different build of the connector?)"
-            )
-        row = int(remote["row"])
-        self.ctrl_row = ctrl[row]
-        self.data_flags = [ctrl[row, C_DATA + s :] for s in range(SLOTS)]
-        self.recv_flags = [self.flags[0, s:] for s in range(SLOTS)]
-        self.err = self.flags[1]
-        self.ctr_ctrl = self.flags[2]
-        self.ctr_sent = [self.flags[3 + 2 * s] for s in range(SLOTS)]
-        self.ctr_recv = [self.flags[4 + 2 * s] for s in range(SLOTS)]
+        # This rank's own control buffer on the FFN rank (no other rank's).
+        ctrl = import_buffer(_sub(remote, "ctrl"), CTRL_BYTES, "control buffer")
+        ctrl = ctrl.view(torch.int64).view(CTRL_ROWS, ROW)
+        self.inbox = import_buffer(_sub(remote, "inbox"), inbox_bytes, "inbox")
+        self.ctrl = ctrl
+        self.ctrl_row = ctrl[0]
+        self.data_flags = [ctrl[0, C_DATA + s :] for s in range(SLOTS)]
+        self.flags = flags.view(torch.int64)
+        self.recv_flags = [self.flags[s:] for s in range(SLOTS)]
+        self.err = self.state[0]
+        self.ctr_ctrl = self.state[1]
+        self.ctr_sent = [self.state[2 + 2 * s] for s in range(SLOTS)]
+        self.ctr_recv = [self.state[3 + 2 * s] for s in range(SLOTS)]
         self._host_err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._side = torch.cuda.Stream(device=dev)
         # DBO: one stream per micro-batch for its exchange (see the module docstring).
@@ -386,11 +520,19 @@ class IPCAttentionConnector(TCPAttentionConnector):
 
     # -- failure detection --------------------------------------------------
     def _watchdog(self) -> None:
-        torch.accelerator.set_device_index(self.ctx.device.index or 0)
+        if self.ctx.device.type == "cuda":
+            torch.accelerator.set_device_index(self.ctx.device.index or 0)
         while not self._closed.wait(0.1):
             msg = self._dead
             if msg is None:
-                msg = self._probe()
+                try:
+                    msg = self._probe()
+                except Exception as e:  # noqa: BLE001 - a blind watchdog fails the rank
+                    msg = (
+                        f"AFD watchdog of the connection to {self.peer} failed "
+                        f"({type(e).__name__}: {e}); this rank could no longer notice a "
+                        "lost or silent FFN rank"
+                    )
             if msg is not None:
                 self._dead = msg
                 logger.error("AFD: %s", msg)
@@ -402,16 +544,9 @@ class IPCAttentionConnector(TCPAttentionConnector):
         sock = self.sock
         if sock is None:
             return None
-        try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            if readable and not sock.recv(1, 0x40 | 0x2):  # MSG_DONTWAIT | MSG_PEEK
-                return f"lost AFD peer {self.peer}: connection closed"
-        except BlockingIOError:
-            pass
-        except OSError as e:
-            if self.sock is None:
-                return None
-            return f"lost AFD peer {self.peer}: {e}"
+        lost = socket_lost(sock)
+        if lost is not None:
+            return None if self.sock is None else f"lost AFD peer {self.peer}: {lost}"
         from vllm.afd.attention import unless_capturing
 
         # A synchronising call during a capture would make it fail (global mode).
@@ -451,11 +586,17 @@ def _flat(d: dict) -> dict:
 
 # ----------------------------------------------------------------- FFN side
 class _Inbox:
-    def __init__(self, row: int, data: torch.Tensor):
-        self.row = row
+    """One attention rank's buffers on its FFN rank. ``ctrl`` (its control row
+    and its error word) and ``data`` (its inbox) are exported to that rank
+    only, each alone in its segment; ``desc`` describes them (made once)."""
+
+    def __init__(self, row: int, ctrl: torch.Tensor, data: torch.Tensor, desc: dict):
+        self.row = row  # index of the rank among those this FFN rank serves
+        self.ctrl = ctrl  # (CTRL_ROWS, ROW) int64
         self.data = data  # SLOTS regions of slot_bytes
+        self.desc = desc
         self.outbox: torch.Tensor | None = None  # the attention rank's, mapped here
-        self.flags: torch.Tensor | None = None  # the attention rank's flag rows
+        self.flags: torch.Tensor | None = None  # the attention rank's flag row
         self.recv_off = [0] * SLOTS
         self.seen = 0  # control messages consumed
         self.ub_tokens: list[int] = []  # token counts of the DBO step being served
@@ -475,8 +616,8 @@ class IPCFFNConnector(TCPFFNConnector):
         self.slot_bytes = 0  # set with the buffers (message_bytes)
         self.ranks = sorted(self.expected)
         self.inboxes: dict[int, _Inbox] = {}
-        self.ctrl: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
+        self._side = None  # the stream of the control polls (start)
         # Bumped whenever an attention rank (re)joins: graphs captured before
         # hold the device addresses of the previous session's buffers.
         self.generation = 0
@@ -485,25 +626,32 @@ class IPCFFNConnector(TCPFFNConnector):
         dev = self.ctx.device
         if dev.type != "cuda":
             raise RuntimeError("AFD cuda_ipc connector needs a CUDA device")
-        k = len(self.ranks)
-        self.slot_bytes = message_bytes(self.ctx)
-        # Row r: control/data flags of attention rank ranks[r]; row k: error word.
-        self.ctrl = torch.zeros((k + 1, ROW), dtype=torch.int64, device=dev)
-        # Per rank and micro-batch slot two counter rows: data received, data sent.
-        self.counters = torch.zeros((2 * SLOTS * k, ROW), dtype=torch.int64, device=dev)
-        size = SLOTS * self.slot_bytes
-        for r, rank in enumerate(self.ranks):
-            self.inboxes[rank] = _Inbox(r, torch.zeros(size, dtype=torch.uint8, device=dev))
-        self._host = torch.zeros((k + 1, ROW), dtype=torch.int64, pin_memory=True)
+        self._make_buffers(dev)
+        self._host = torch.zeros((len(self.ranks), CTRL_ROWS, ROW), dtype=torch.int64,
+                                 pin_memory=True)  # fmt: skip
         self._side = torch.cuda.Stream(device=dev)
         _kernels()
         super().start()
+
+    def _make_buffers(self, dev: torch.device) -> None:
+        """Per attention rank a control buffer and an inbox of its own, and this
+        rank's device counters (never exported: per rank and micro-batch slot,
+        two rows: data received, data sent)."""
+        self.slot_bytes = message_bytes(self.ctx)
+        k = len(self.ranks)
+        self.counters = torch.zeros((2 * SLOTS * k, ROW), dtype=torch.int64, device=dev)
+        for r, rank in enumerate(self.ranks):
+            ctrl = exported_zeros(CTRL_BYTES, dev)
+            data = exported_zeros(SLOTS * self.slot_bytes, dev)
+            desc = _flat({"ctrl": export_buffer(ctrl), "inbox": export_buffer(data)})
+            self.inboxes[rank] = _Inbox(r, ctrl.view(torch.int64).view(CTRL_ROWS, ROW), data,
+                                        desc)  # fmt: skip
 
     def _counter(self, box: _Inbox, slot: int, sent: bool) -> torch.Tensor:
         return self.counters[2 * (box.row * SLOTS + slot) + int(sent)]
 
     def _accept_device(self, rank: int, sock, addr: str) -> None:
-        """Map the attention rank's buffers and give it ours (handshake thread)."""
+        """Map the attention rank's buffers and give it its own (handshake thread)."""
         if self.ctx.device.type == "cuda":
             torch.accelerator.set_device_index(self.ctx.device.index or 0)
         box = self.inboxes[rank]
@@ -511,41 +659,39 @@ class IPCFFNConnector(TCPFFNConnector):
         n = unpack_hello_preamble(_recv_bytes(sock, HELLO_PREAMBLE.size, deadline, addr))
         remote = parse_hello(_recv_bytes(sock, n, deadline, addr))
         try:
-            box.flags = import_buffer(_sub(remote, "flags")).view(torch.int64).view(-1, ROW)
-            box.outbox = import_buffer(_sub(remote, "outbox"))
-            if box.outbox.numel() != SLOTS * self.slot_bytes:
-                raise ValueError(
-                    f"outbox of {box.outbox.numel()} bytes, expected {SLOTS * self.slot_bytes}"
-                )
+            flags = import_buffer(_sub(remote, "flags"), FLAGS_BYTES, "flag row")
+            outbox = import_buffer(_sub(remote, "outbox"), SLOTS * self.slot_bytes, "outbox")
         except Exception as e:  # noqa: BLE001 - answered, then the peer is refused
             _send_all(sock, pack_hello({"status": f"cannot map buffers: {e}"}), 5.0, addr)
             raise
-        # A new session of this rank: the device counters start again - before
-        # the reply, after which the rank may write its first control message.
+        box.flags, box.outbox = flags.view(torch.int64), outbox
+        self._reset(box)
+        self.generation += 1
+        _send_all(sock, pack_hello({"status": "ok", **box.desc}), 5.0, addr)
+
+    def _reset(self, box: _Inbox) -> None:
+        """A new session of this rank: its control buffer (an error word and
+        poison of the last session included) and device counters start again -
+        before the reply, after which the rank may write its first control
+        message. On the poll stream, after the poison of its last session."""
         r = box.row
-        self.ctrl[r].zero_()
-        self.counters[2 * SLOTS * r : 2 * SLOTS * (r + 1)].zero_()
+        with torch.cuda.stream(self._side):
+            box.ctrl.zero_()
+            self.counters[2 * SLOTS * r : 2 * SLOTS * (r + 1)].zero_()
         torch.cuda.synchronize(self.ctx.device)
         box.seen = 0
         box.recv_off = [0] * SLOTS
-        self.generation += 1
-        mine = _flat({
-            "status": "ok",
-            "row": box.row,
-            "ctrl": export_buffer(self.ctrl.view(-1).view(torch.uint8)),
-            "inbox": export_buffer(box.data),
-        })  # fmt: skip
-        _send_all(sock, pack_hello(mine), 5.0, addr)
 
     # -- serving -------------------------------------------------------------
     def _poll(self, peers: list[_Peer], timeout: float) -> list[StepPeer]:
-        peers = [p for p in peers if self.peers.get(p.rank) is p]
-        if not peers:
-            time.sleep(min(timeout, 0.05))
-            return []
         deadline = time.monotonic() + timeout
         last_sock_check = 0.0
         while True:
+            # Peers that left (goodbye) or were dropped meanwhile are gone.
+            peers = [p for p in peers if self.peers.get(p.rank) is p]
+            if not peers:
+                time.sleep(min(timeout, 0.05))
+                return []
             ready = self._device_ready(peers)
             if ready:
                 now = time.monotonic()
@@ -578,48 +724,64 @@ class IPCFFNConnector(TCPFFNConnector):
             )
 
     def _device_ready(self, peers: list[_Peer]) -> list[StepPeer]:
+        """The new control messages of ``peers``: one small copy of each rank's
+        control buffer, read together. A rank whose error word is set (a device
+        wait for its data gave up, or the rank wrote it) loses its session
+        alone; the others are served on."""
+        boxes = [self.inboxes[p.rank] for p in peers]
         with torch.cuda.stream(self._side):
-            self._host.copy_(self.ctrl, non_blocking=True)
+            for box in boxes:
+                self._host[box.row].copy_(box.ctrl, non_blocking=True)
         self._side.synchronize()
-        host = self._host
-        err = int(host[-1, 0])
-        if err:
-            self.poison()
-            raise AFDPeerError(
-                f"an AFD attention rank did not send layer data within "
-                f"timeout_s={self.timeout:g} (message {err})"
-            )
+        host = self._host.tolist()
         ready = []
-        for p in peers:
-            box = self.inboxes[p.rank]
-            flag = int(host[box.row, C_FLAG])
-            if flag <= box.seen or int(host[box.row, C_SEQ]) != flag:
-                continue  # nothing new, or the payload is not visible yet
-            if flag != box.seen + 1:
-                self._drop(p)
-                raise AFDPeerError(
-                    f"AFD {p.name} broke the protocol: control message {flag} after {box.seen}"
-                )
-            box.seen = flag
-            ctrl = Control(MSG_STEP, flag, int(host[box.row, C_TOKENS]),
-                           int(host[box.row, C_FLAGS]))  # fmt: skip
-            index, count = ubatch_of(ctrl.flags)
-            box.ub_tokens = [ctrl.num_tokens]
-            box.next_ub = 1
-            if count:
-                box.ub_tokens.append(int(host[box.row, C_UB1_TOKENS]))
-            bad = None
-            if not all(0 < n <= self.ctx.max_num_tokens for n in box.ub_tokens):
-                tokens = box.ub_tokens if count else ctrl.num_tokens
-                bad = f"step with {tokens} tokens is outside 1..{self.ctx.max_num_tokens}"
-            elif ctrl.flags and (index != 0 or not 2 <= count <= SLOTS):
-                bad = f"step opened as micro-batch {index} of {count} (slots: {SLOTS})"
-            if bad is not None:
-                self._drop(p)
-                raise AFDPeerError(f"AFD {p.name} broke the protocol: {bad}")
-            box.recv_off = [0] * SLOTS
-            ready.append(StepPeer(p.rank, ctrl))
+        for p, box in zip(peers, boxes):
+            row, err = host[box.row][0], host[box.row][ERR_ROW][0]
+            if err:
+                self._end_session(p, box, f"AFD {p.name} did not send layer data within "
+                                  f"timeout_s={self.timeout:g} (message {err})")  # fmt: skip
+                continue
+            step = self._new_step(p, box, row)
+            if step is not None:
+                ready.append(step)
         return ready
+
+    def _end_session(self, p: _Peer, box: _Inbox, why: str) -> None:
+        """Release this rank's device waits and close its connection (its
+        attention server sees EOF and ends); the FFN rank serves the others."""
+        logger.error("AFD: %s; its session ends, the other attention ranks are served on", why)
+        self.poison([box])
+        self._drop(p)
+
+    def _new_step(self, p: _Peer, box: _Inbox, row: list[int]) -> StepPeer | None:
+        """The step ``row`` (a host copy of the rank's control row) announces,
+        None when there is none; AFDPeerError for a broken protocol."""
+        flag = row[C_FLAG]
+        if flag <= box.seen or row[C_SEQ] != flag:
+            return None  # nothing new, or the payload is not visible yet
+        if flag != box.seen + 1:
+            self._drop(p)
+            raise AFDPeerError(
+                f"AFD {p.name} broke the protocol: control message {flag} after {box.seen}"
+            )
+        box.seen = flag
+        ctrl = Control(MSG_STEP, flag, row[C_TOKENS], row[C_FLAGS])
+        index, count = ubatch_of(ctrl.flags)
+        box.ub_tokens = [ctrl.num_tokens]
+        box.next_ub = 1
+        if count:
+            box.ub_tokens.append(row[C_UB1_TOKENS])
+        bad = None
+        if not all(0 < n <= self.ctx.max_num_tokens for n in box.ub_tokens):
+            tokens = box.ub_tokens if count else ctrl.num_tokens
+            bad = f"step with {tokens} tokens is outside 1..{self.ctx.max_num_tokens}"
+        elif ctrl.flags and (index != 0 or not 2 <= count <= SLOTS):
+            bad = f"step opened as micro-batch {index} of {count} (slots: {SLOTS})"
+        if bad is not None:
+            self._drop(p)
+            raise AFDPeerError(f"AFD {p.name} broke the protocol: {bad}")
+        box.recv_off = [0] * SLOTS
+        return StepPeer(p.rank, ctrl)
 
     def recv_control(self, peer: StepPeer) -> Control:
         """The next micro-batch of the DBO step ``peer`` opened, from the token
@@ -635,20 +797,20 @@ class IPCFFNConnector(TCPFFNConnector):
         box.next_ub += 1
         return Control(MSG_STEP, peer.control.step_id, box.ub_tokens[i], ubatch_flags(i, count))
 
-    def poison(self) -> None:
-        """Release every device wait of this rank (its peers are gone)."""
+    def poison(self, boxes: list[_Inbox] | None = None) -> None:
+        """Release the device waits of these ranks (default: all; their peers
+        are gone)."""
         try:
             with torch.cuda.stream(self._side):
-                for box in self.inboxes.values():
-                    self.ctrl[box.row, C_DATA : C_DATA + SLOTS].fill_(POISON)
+                for box in self.inboxes.values() if boxes is None else boxes:
+                    box.ctrl[0, C_DATA : C_DATA + SLOTS].fill_(POISON)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
 
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
         box = self.inboxes[peer.rank]
         s = ubatch_of(peer.control.flags)[0]
-        r = box.row
-        _wait(self._counter(box, s, False), self.ctrl[r, C_DATA + s :], self.ctrl[-1],
+        _wait(self._counter(box, s, False), box.ctrl[0, C_DATA + s :], box.ctrl[ERR_ROW],
               self.timeout_ns)  # fmt: skip
         out.copy_(_view(box.data, box.recv_off[s], out, s, self.slot_bytes))
         box.recv_off[s] += _align(out.numel() * out.element_size())
@@ -657,7 +819,7 @@ class IPCFFNConnector(TCPFFNConnector):
         box = self.inboxes[peer.rank]
         s = ubatch_of(peer.control.flags)[0]
         _view(box.outbox, 0, y, s, self.slot_bytes).copy_(y)
-        _signal(self._counter(box, s, True), box.flags[0, s:])
+        _signal(self._counter(box, s, True), box.flags[s:])
         box.recv_off[s] = 0
 
     def close(self) -> None:
