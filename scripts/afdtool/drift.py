@@ -341,6 +341,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    if not args.target_default:
-        print(f"drift: relative to {args.target.describe()}")
+    how = "the newest carried target older than --to" if args.target_default else "--target"
+    print(f"drift: relative to {args.target.describe()} ({how})")
     return drift(args.target, args.to, args.source, args.strict)
