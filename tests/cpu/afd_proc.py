@@ -47,6 +47,10 @@ def engine_kwargs(args) -> dict:
         kw["enable_dbo"] = True
         kw["dbo_decode_token_threshold"] = args.dbo_threshold
         kw["dbo_prefill_token_threshold"] = args.dbo_threshold
+        if "afd_config" in kw:
+            # The oracle checks micro-batched steps: split from the threshold on, also
+            # where AFD's cost floor (dbo_min_tokens "auto") would keep them whole.
+            kw["afd_config"].setdefault("dbo_min_tokens", 0)
     return kw
 
 

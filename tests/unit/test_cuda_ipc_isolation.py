@@ -201,7 +201,8 @@ def test_each_attention_rank_gets_only_its_own_buffers(cpu_buffers):
         box.ctrl.fill_(9)  # a previous session's state, its error word included
         reply = _join(conn, r)
         assert reply["status"] == "ok"
-        assert set(reply) == {"status", "ctrl.ptr", "ctrl.numel", "inbox.ptr", "inbox.numel"}
+        assert set(reply) == {"status", "gpu_uuid", "ctrl.ptr", "ctrl.numel", "inbox.ptr",
+                              "inbox.numel"}
         given = {reply["ctrl.ptr"], reply["inbox.ptr"]}
         assert given == mine[r] and reply["ctrl.numel"] == ipc.CTRL_BYTES
         assert not given & set().union(*(mine[o] for o in (0, 1, 2) if o != r))

@@ -80,7 +80,7 @@ class AttentionClient:
         from vllm.afd import dbo
 
         dbo.watch_ubatch_threads(vllm_config, rank)
-        dbo.configure(vllm_config)
+        dbo.configure(vllm_config, connector.shares_device())
 
     def exchange(
         self, x: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None = None

@@ -153,10 +153,17 @@ def break_even_tokens(
     return 2 * knee
 
 
-def configure(vllm_config: Any) -> int:
+# The floor when both roles compute on one GPU: no step is split.
+NEVER = 1 << 62
+
+
+def configure(vllm_config: Any, shares_device: bool | None = None) -> int:
     """Set (and log) the smallest step split into micro-batches, for this attention
     role; returns it. ``dbo_min_tokens`` of the AFD config, "auto" by default: on
-    CUDA the break-even of :func:`break_even_tokens`, on the CPU 0."""
+    CUDA the break-even of :func:`break_even_tokens`, or no split at all when the
+    connector says the FFN rank computes on this GPU too (``shares_device``: the two
+    roles then draw on the same SMs and memory, so there is nothing to overlap and
+    the split's second read of the weights is pure loss); on the CPU 0."""
     global _min_tokens
     if not enabled(vllm_config):
         _min_tokens = 0
@@ -167,6 +174,13 @@ def configure(vllm_config: Any) -> int:
         _min_tokens, why = int(cfg.dbo_min_tokens), "dbo_min_tokens of the AFD config"
     elif device != "cuda":
         _min_tokens, why = 0, "auto on the CPU: vLLM's DBO thresholds alone"
+    elif shares_device:
+        _min_tokens = NEVER
+        logger.info(
+            "AFD attention role: DBO splits no step: the FFN rank computes on this GPU too "
+            "(auto; set dbo_min_tokens to split anyway)"
+        )
+        return _min_tokens
     else:
         experts, top_k = moe_shape(vllm_config.model_config.hf_config)
         weight_bytes = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()

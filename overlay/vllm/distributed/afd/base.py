@@ -94,6 +94,12 @@ class AttentionConnector(ABC):
         """The FFN peer is connected and has not failed."""
         return True
 
+    def shares_device(self) -> bool | None:
+        """True when the FFN rank computes on this rank's own GPU (two processes on one
+        device share its SMs and memory bandwidth), False when on another device, None
+        when the connector cannot tell."""
+        return None
+
     def profile(self, is_start: bool) -> None:
         """Ask the FFN rank to start/stop its torch profiler (between steps)."""
         raise NotImplementedError(

@@ -7,11 +7,14 @@ in CUDA graphs and the FFN role can replay its own graphs:
 * each side allocates an *inbox* in its own GPU memory (data buffer plus a
   row of int64 flags) and hands the other side a CUDA IPC handle to it over
   the TCP connector's socket, after the usual hello;
-* a message is a copy into the peer's inbox followed by a one-program Triton
-  kernel that bumps a device-side counter and release-stores it into the
-  peer's flag; the receiver's kernel spins on its own flag (acquire) until it
-  reaches its own counter + 1. Counters live on the device, so a replayed
-  graph advances them like an eager step does;
+* a message is a copy into the peer's inbox and a release-store of a
+  device-side counter into the peer's flag; the receiver spins on its own flag
+  (acquire) until it reaches its own counter + 1, then copies the message out.
+  By default each side does its part of a hand-over in one Triton kernel
+  (``vllm.distributed.afd.ipc_kernels``: ``send_fused``, ``recv_fused``);
+  ``connector_extra_config.ipc_fused_kernels: false`` runs a torch copy and a
+  one-program signal / wait kernel instead. Counters live on the device, so a
+  replayed graph advances them like an eager step does;
 * the step-control message (token count, flags) is written the same way, into
   the attention rank's control buffer on the FFN rank; the FFN host polls the
   control buffers of its ranks with small copies on a side stream (the FFN
@@ -72,6 +75,7 @@ from vllm.afd.protocol import (
     unpack_hello_preamble,
 )
 from vllm.config.afd import IPC_MAX_UBATCHES
+from vllm.distributed.afd import ipc_kernels as kernels
 from vllm.distributed.afd.base import ConnectorContext, StepPeer, register_connector
 from vllm.distributed.afd.channel import Peer as _Peer
 from vllm.distributed.afd.channel import readable
@@ -102,66 +106,6 @@ POISON = 1 << 62
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-# ----------------------------------------------------------------- kernels
-try:  # triton ships with torch; a build without it cannot use this connector
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import globaltimer
-except ImportError:  # pragma: no cover
-    triton = None
-
-if triton is not None:
-
-    @triton.jit
-    def _signal_kernel(ctr_ptr, flag_ptr):
-        c = tl.load(ctr_ptr) + 1
-        tl.store(ctr_ptr, c)
-        tl.atomic_xchg(flag_ptr, c, sem="release", scope="sys")
-
-    @triton.jit(do_not_specialize=["num_tokens", "flags", "ub1_tokens"])
-    def _control_kernel(ctr_ptr, row_ptr, num_tokens, flags, ub1_tokens):
-        c = tl.load(ctr_ptr) + 1
-        tl.store(ctr_ptr, c)
-        tl.store(row_ptr + 1, c)
-        tl.store(row_ptr + 2, num_tokens.to(tl.int64))
-        tl.store(row_ptr + 3, flags.to(tl.int64))
-        tl.store(row_ptr + 6, ub1_tokens.to(tl.int64))
-        tl.atomic_xchg(row_ptr, c, sem="release", scope="sys")
-
-    @triton.jit(do_not_specialize=["timeout_ns"])
-    def _wait_kernel(ctr_ptr, flag_ptr, err_ptr, timeout_ns):
-        c = tl.load(ctr_ptr) + 1
-        t0 = globaltimer()
-        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        waiting = v < c
-        while waiting:
-            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            waiting = (v < c) & ((globaltimer() - t0) < timeout_ns)
-        if v < c:
-            tl.store(err_ptr, c)  # the message this wait gave up on
-        tl.store(ctr_ptr, c)
-
-
-def _kernels():
-    if triton is None:
-        raise RuntimeError("AFD cuda_ipc connector needs triton")
-    return _signal_kernel, _control_kernel, _wait_kernel
-
-
-def _signal(ctr: torch.Tensor, flag: torch.Tensor) -> None:
-    _kernels()[0][(1,)](ctr, flag, num_warps=1)
-
-
-def _control(
-    ctr: torch.Tensor, row: torch.Tensor, num_tokens: int, flags: int, ub1_tokens: int = 0
-) -> None:
-    _kernels()[1][(1,)](ctr, row, num_tokens, flags, ub1_tokens, num_warps=1)
-
-
-def _wait(ctr: torch.Tensor, flag: torch.Tensor, err: torch.Tensor, timeout_ns: int) -> None:
-    _kernels()[2][(1,)](ctr, flag, err, timeout_ns, num_warps=1)
 
 
 # ------------------------------------------------------- IPC of raw buffers
@@ -360,6 +304,46 @@ def socket_lost(sock: socket.socket) -> str | None:
 
 
 # ----------------------------------------------------------- attention side
+def gpu_uuid(device: torch.device) -> str:
+    """The GPU's UUID ("" where it cannot be read): the same physical device has the
+    same UUID in every process, whatever CUDA_VISIBLE_DEVICES numbers it."""
+    try:
+        return str(torch.cuda.get_device_properties(device).uuid)
+    except (RuntimeError, AssertionError, AttributeError):
+        return ""
+
+
+def fused_kernels(ctx: ConnectorContext) -> bool:
+    """connector_extra_config.ipc_fused_kernels (default true): one kernel per side
+    and hand-over instead of a copy and a signal / a wait and a copy."""
+    return bool(ctx.config.connector_extra_config.get("ipc_fused_kernels", True))
+
+
+def send_message(
+    src: torch.Tensor, dst: torch.Tensor, ctr: torch.Tensor, flag: torch.Tensor,
+    done: torch.Tensor, fused: bool,
+) -> None:  # fmt: skip
+    """Copy ``src`` into the peer's inbox view ``dst`` and signal the peer's ``flag``."""
+    if fused and kernels.fusable(src, dst):
+        kernels.send_fused(src, dst, ctr, flag, done)
+        return
+    dst.copy_(src)
+    kernels.signal(ctr, flag)
+
+
+def recv_message(
+    src: torch.Tensor, out: torch.Tensor, ctr: torch.Tensor, flag: torch.Tensor,
+    err: torch.Tensor, done: torch.Tensor, timeout_ns: int, fused: bool,
+) -> None:  # fmt: skip
+    """Wait for the peer's signal on ``flag`` (bounded; ``err`` on a timeout), then
+    copy this side's inbox view ``src`` into ``out``."""
+    if fused and kernels.fusable(src, out):
+        kernels.recv_fused(src, out, ctr, flag, err, done, timeout_ns)
+        return
+    kernels.wait(ctr, flag, err, timeout_ns)
+    out.copy_(src)
+
+
 class IPCAttentionConnector(TCPAttentionConnector):
     graph_capable = True
     dbo_capable = True
@@ -371,6 +355,8 @@ class IPCAttentionConnector(TCPAttentionConnector):
         # ends the process (see the module docstring). Tests replace it.
         self.on_failure = failure.exit_now
         self.slot_bytes = 0  # set with the buffers (message_bytes)
+        self.fused = fused_kernels(ctx)
+        self.peer_gpu: str | None = None  # the FFN rank's GPU UUID (its reply)
         self._send_off = [0] * SLOTS
         self._watch: threading.Thread | None = None
 
@@ -398,10 +384,12 @@ class IPCAttentionConnector(TCPAttentionConnector):
         flags = exported_zeros(FLAGS_BYTES, dev)
         self.outbox = exported_zeros(inbox_bytes, dev)
         # This rank's own: row 0 [0] the error word; row 1 the control counter;
-        # rows 2 + 2s, 3 + 2s: counters of data sent / received in slot s.
-        self.state = torch.zeros((2 + 2 * SLOTS, ROW), dtype=torch.int64, device=dev)
+        # rows 2 + 2s, 3 + 2s: counters of data sent / received in slot s; rows
+        # 2 + 2 SLOTS + 2s, + 1: the fused kernels' program counts (send, receive).
+        self.state = torch.zeros((2 + 4 * SLOTS, ROW), dtype=torch.int64, device=dev)
         torch.cuda.synchronize(dev)  # zeroed before the FFN rank can write them
-        mine = _flat({"flags": export_buffer(flags), "outbox": export_buffer(self.outbox)})
+        mine = _flat({"flags": export_buffer(flags), "outbox": export_buffer(self.outbox),
+                      "gpu_uuid": gpu_uuid(dev)})  # fmt: skip
         deadline = time.monotonic() + self.timeout
         remote = _exchange_desc(self.sock, mine, deadline, self.peer, self.timeout)
         if remote.get("status") != "ok":
@@ -413,6 +401,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         ctrl = import_buffer(_sub(remote, "ctrl"), CTRL_BYTES, "control buffer")
         ctrl = ctrl.view(torch.int64).view(CTRL_ROWS, ROW)
         self.inbox = import_buffer(_sub(remote, "inbox"), inbox_bytes, "inbox")
+        self.peer_gpu = remote.get("gpu_uuid")
         self.ctrl = ctrl
         self.ctrl_row = ctrl[0]
         self.data_flags = [ctrl[0, C_DATA + s :] for s in range(SLOTS)]
@@ -422,11 +411,13 @@ class IPCAttentionConnector(TCPAttentionConnector):
         self.ctr_ctrl = self.state[1]
         self.ctr_sent = [self.state[2 + 2 * s] for s in range(SLOTS)]
         self.ctr_recv = [self.state[3 + 2 * s] for s in range(SLOTS)]
+        self.done_send = [self.state[2 + 2 * SLOTS + 2 * s] for s in range(SLOTS)]
+        self.done_recv = [self.state[3 + 2 * SLOTS + 2 * s] for s in range(SLOTS)]
         self._host_err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._side = torch.cuda.Stream(device=dev)
         # DBO: one stream per micro-batch for its exchange (see the module docstring).
         self._ub_streams = [torch.cuda.Stream(device=dev) for _ in range(SLOTS)]
-        _kernels()
+        kernels.require()
         logger.info(
             "AFD: cuda_ipc device channel to %s mapped (inbox %d bytes, %d micro-batch slots)",
             self.peer,
@@ -448,7 +439,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         self._check()
         if ubatch is None:
             self._send_off[0] = 0
-            _control(self.ctr_ctrl, self.ctrl_row, num_tokens, 0)
+            kernels.control(self.ctr_ctrl, self.ctrl_row, num_tokens, 0)
             return
         index, count = ubatch
         if count > SLOTS:
@@ -464,20 +455,21 @@ class IPCAttentionConnector(TCPAttentionConnector):
                 f"micro-batch token counts {ubatch_tokens} (expected {count}, the first "
                 f"{num_tokens})"
             )
-        _control(self.ctr_ctrl, self.ctrl_row, num_tokens, ubatch_flags(0, count),
+        kernels.control(self.ctr_ctrl, self.ctrl_row, num_tokens, ubatch_flags(0, count),
                  int(ubatch_tokens[1]))  # fmt: skip
 
     def send(self, x: torch.Tensor) -> None:
         s, stream = self._slot_stream()
         with torch.cuda.stream(stream):
             dst = _view(self.inbox, self._send_off[s], x, s, self.slot_bytes)
-            dst.copy_(x)
             self._send_off[s] += _align(dst.numel() * dst.element_size())
-            _signal(self.ctr_sent[s], self.data_flags[s])
+            send_message(x, dst, self.ctr_sent[s], self.data_flags[s], self.done_send[s],
+                         self.fused)  # fmt: skip
 
     def recv(self, out: torch.Tensor) -> torch.Tensor:
-        _wait(self.ctr_recv[0], self.recv_flags[0], self.err, self.timeout_ns)
-        out.copy_(_view(self.outbox, 0, out, 0, self.slot_bytes))
+        recv_message(_view(self.outbox, 0, out, 0, self.slot_bytes), out, self.ctr_recv[0],
+                     self.recv_flags[0], self.err, self.done_recv[0], self.timeout_ns,
+                     self.fused)  # fmt: skip
         self._send_off[0] = 0
         return out
 
@@ -487,8 +479,9 @@ class IPCAttentionConnector(TCPAttentionConnector):
         current stream wait for it."""
         s, stream = self._slot_stream()
         with torch.cuda.stream(stream):
-            _wait(self.ctr_recv[s], self.recv_flags[s], self.err, self.timeout_ns)
-            out.copy_(_view(self.outbox, 0, out, s, self.slot_bytes))
+            recv_message(_view(self.outbox, 0, out, s, self.slot_bytes), out, self.ctr_recv[s],
+                         self.recv_flags[s], self.err, self.done_recv[s], self.timeout_ns,
+                         self.fused)  # fmt: skip
             done = torch.cuda.Event()
             done.record(stream)
         self._send_off[s] = 0
@@ -517,6 +510,13 @@ class IPCAttentionConnector(TCPAttentionConnector):
 
     def end_step(self) -> None:
         pass
+
+    def shares_device(self) -> bool | None:
+        """From the GPU UUIDs the two sides exchanged with their buffers."""
+        mine = gpu_uuid(self.ctx.device)
+        if not self.peer_gpu or not mine:
+            return None
+        return self.peer_gpu == mine
 
     # -- failure detection --------------------------------------------------
     def _watchdog(self) -> None:
@@ -614,6 +614,7 @@ class IPCFFNConnector(TCPFFNConnector):
         super().__init__(ctx)
         self.timeout_ns = _timeout_ns(ctx)
         self.slot_bytes = 0  # set with the buffers (message_bytes)
+        self.fused = fused_kernels(ctx)
         self.ranks = sorted(self.expected)
         self.inboxes: dict[int, _Inbox] = {}
         self.counters: torch.Tensor | None = None
@@ -630,16 +631,17 @@ class IPCFFNConnector(TCPFFNConnector):
         self._host = torch.zeros((len(self.ranks), CTRL_ROWS, ROW), dtype=torch.int64,
                                  pin_memory=True)  # fmt: skip
         self._side = torch.cuda.Stream(device=dev)
-        _kernels()
+        kernels.require()
         super().start()
 
     def _make_buffers(self, dev: torch.device) -> None:
         """Per attention rank a control buffer and an inbox of its own, and this
         rank's device counters (never exported: per rank and micro-batch slot,
-        two rows: data received, data sent)."""
+        four rows: data received, data sent, and the fused kernels' program counts
+        of a receive and of a send)."""
         self.slot_bytes = message_bytes(self.ctx)
         k = len(self.ranks)
-        self.counters = torch.zeros((2 * SLOTS * k, ROW), dtype=torch.int64, device=dev)
+        self.counters = torch.zeros((4 * SLOTS * k, ROW), dtype=torch.int64, device=dev)
         for r, rank in enumerate(self.ranks):
             ctrl = exported_zeros(CTRL_BYTES, dev)
             data = exported_zeros(SLOTS * self.slot_bytes, dev)
@@ -647,8 +649,8 @@ class IPCFFNConnector(TCPFFNConnector):
             self.inboxes[rank] = _Inbox(r, ctrl.view(torch.int64).view(CTRL_ROWS, ROW), data,
                                         desc)  # fmt: skip
 
-    def _counter(self, box: _Inbox, slot: int, sent: bool) -> torch.Tensor:
-        return self.counters[2 * (box.row * SLOTS + slot) + int(sent)]
+    def _counter(self, box: _Inbox, slot: int, sent: bool, done: bool = False) -> torch.Tensor:
+        return self.counters[4 * (box.row * SLOTS + slot) + 2 * int(done) + int(sent)]
 
     def _accept_device(self, rank: int, sock, addr: str) -> None:
         """Map the attention rank's buffers and give it its own (handshake thread)."""
@@ -667,7 +669,8 @@ class IPCFFNConnector(TCPFFNConnector):
         box.flags, box.outbox = flags.view(torch.int64), outbox
         self._reset(box)
         self.generation += 1
-        _send_all(sock, pack_hello({"status": "ok", **box.desc}), 5.0, addr)
+        reply = {"status": "ok", "gpu_uuid": gpu_uuid(self.ctx.device), **box.desc}
+        _send_all(sock, pack_hello(reply), 5.0, addr)
 
     def _reset(self, box: _Inbox) -> None:
         """A new session of this rank: its control buffer (an error word and
@@ -677,7 +680,7 @@ class IPCFFNConnector(TCPFFNConnector):
         r = box.row
         with torch.cuda.stream(self._side):
             box.ctrl.zero_()
-            self.counters[2 * SLOTS * r : 2 * SLOTS * (r + 1)].zero_()
+            self.counters[4 * SLOTS * r : 4 * SLOTS * (r + 1)].zero_()
         torch.cuda.synchronize(self.ctx.device)
         box.seen = 0
         box.recv_off = [0] * SLOTS
@@ -810,16 +813,17 @@ class IPCFFNConnector(TCPFFNConnector):
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
         box = self.inboxes[peer.rank]
         s = ubatch_of(peer.control.flags)[0]
-        _wait(self._counter(box, s, False), box.ctrl[0, C_DATA + s :], box.ctrl[ERR_ROW],
-              self.timeout_ns)  # fmt: skip
-        out.copy_(_view(box.data, box.recv_off[s], out, s, self.slot_bytes))
+        src = _view(box.data, box.recv_off[s], out, s, self.slot_bytes)
+        recv_message(src, out, self._counter(box, s, False), box.ctrl[0, C_DATA + s :],
+                     box.ctrl[ERR_ROW], self._counter(box, s, False, done=True),
+                     self.timeout_ns, self.fused)  # fmt: skip
         box.recv_off[s] += _align(out.numel() * out.element_size())
 
     def send(self, peer: StepPeer, y: torch.Tensor) -> None:
         box = self.inboxes[peer.rank]
         s = ubatch_of(peer.control.flags)[0]
-        _view(box.outbox, 0, y, s, self.slot_bytes).copy_(y)
-        _signal(self._counter(box, s, True), box.flags[s:])
+        send_message(y, _view(box.outbox, 0, y, s, self.slot_bytes), self._counter(box, s, True),
+                     box.flags[s:], self._counter(box, s, True, done=True), self.fused)  # fmt: skip
         box.recv_off[s] = 0
 
     def close(self) -> None:
