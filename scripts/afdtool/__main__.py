@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 module = _load(name)
                 # a module serving several commands maps them in COMMANDS to (add_arguments, run)
                 add, run = getattr(module, "COMMANDS", {}).get(name, (None, None))
-                targets.add_arguments(p, tree=name in TREE_COMMANDS)
+                targets.add_arguments(p, tree=name in TREE_COMMANDS,
+                                      from_newest=name in FROM_NEWEST)
                 (add or module.add_arguments)(p)
                 p.set_defaults(_run=run or module.run)
         args = parser.parse_args(argv)

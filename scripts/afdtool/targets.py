@@ -159,15 +159,17 @@ def planned(root: Path | None, values: dict[str, str], tree: Path | str | None =
     return make_target(root, pin, False, tree)
 
 
-def add_arguments(parser, tree: bool = True) -> None:
+def add_arguments(parser, tree: bool = True, from_newest: bool = False) -> None:
     """--repo-root, --target (and --tree): every command takes them (see __main__)."""
+    default = ("the newest carried target (older than --to)" if from_newest
+               else "the primary pin VLLM_VERSION")
     parser.add_argument(
         "--repo-root", type=Path, default=None,
         help="where overlay/, patches/, targets/ and VLLM_VERSION live (env AFD_REPO_ROOT)")
     parser.add_argument(
         "--target", dest="target_name", default=None, metavar="X",
         help="upstream target: X names targets/X/ (pin, patches, tree build/vllm-X, venv "
-             ".venv-X, models build/models-X); default: the primary pin VLLM_VERSION")
+             f".venv-X, models build/models-X); default: {default}")
     if tree:
         parser.add_argument("--tree", type=Path, default=None,
                             help="build tree (env AFD_BUILD_TREE; default: the target's)")
