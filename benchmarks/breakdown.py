@@ -49,11 +49,10 @@ from pathlib import Path
 
 FORWARD = "gpu_model_runner: forward"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-# The cuda_ipc connector's kernels (overlay/vllm/distributed/afd/ipc_kernels.py): a
-# fused receive waits and then copies (counted as wait), a fused send copies and signals.
-WAIT_KERNELS = ("_wait_kernel", "_recv_fused_kernel")
+# The cuda_ipc connector's kernels (overlay/vllm/distributed/afd/ipc_kernels.py).
+WAIT_KERNELS = ("_wait_kernel",)
 CONTROL_KERNEL = "_control_kernel"
-SIGNAL_KERNELS = ("_signal_kernel", "_send_fused_kernel", CONTROL_KERNEL)
+SIGNAL_KERNELS = ("_signal_kernel", CONTROL_KERNEL)
 
 
 class TraceError(RuntimeError):

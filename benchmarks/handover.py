@@ -2,10 +2,12 @@
 
 Two processes (an "attention" side and an "FFN" side, like AFD's two roles) exchange a
 [tokens, hidden] message back and forth ``--layers`` times a step, both sides replaying
-one CUDA graph per step, with the connector's device kernels
-(overlay/vllm/distributed/afd/ipc_kernels.py, loaded from this tree): ``split`` (a torch
-copy plus a signal kernel to send, a wait kernel plus a torch copy to receive: the
-connector as it was) and ``fused`` (one kernel each). The FFN side only echoes the
+one CUDA graph per step: ``split``, the connector's way (overlay/vllm/distributed/afd/
+ipc_kernels.py, loaded from this tree: a torch copy plus a signal kernel to send, a wait
+kernel plus a torch copy to receive), and ``fused``, an experiment kept here (one kernel per
+side: the sender's programs copy and the last one signals; the receiver's programs wait,
+copy, and the last one advances the counter). Measured on an H200 under MPS the fused one is
+slower (docs/benchmarks.md), so the connector keeps the split one. The FFN side only echoes the
 message, so the step time is the hand-overs alone: ``us per hand-over = step / (2 x
 layers)``. Both processes on one GPU (under CUDA MPS with ``--mps``; without it they
 time-slice the GPU) or on two (``--peer-gpu``).
@@ -29,11 +31,87 @@ KERNELS = Path(__file__).resolve().parents[1] / "overlay/vllm/distributed/afd/ip
 TIMEOUT_NS = 10 * 10**9
 
 
+FUSED_BLOCK = 2048  # int32 words each program of a fused kernel copies
+
+try:  # the GPU host's torch ships triton; elsewhere only --help and the parser work
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import globaltimer
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n_words"])
+    def _send_fused_kernel(src_ptr, dst_ptr, n_words, ctr_ptr, flag_ptr, done_ptr,
+                           BLOCK: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_words
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+        tl.debug_barrier()  # this program's stores, before it is counted
+        prev = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys")
+        if prev == tl.num_programs(0) - 1:  # the last program: every part is written
+            tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
+            c = tl.load(ctr_ptr) + 1
+            tl.store(ctr_ptr, c)
+            tl.atomic_xchg(flag_ptr, c, sem="release", scope="sys")
+
+    @triton.jit(do_not_specialize=["n_words", "timeout_ns"])
+    def _recv_fused_kernel(src_ptr, dst_ptr, n_words, ctr_ptr, flag_ptr, err_ptr, done_ptr,
+                           timeout_ns, BLOCK: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        c = tl.load(ctr_ptr) + 1  # every program reads it before the last one advances it
+        t0 = globaltimer()
+        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        waiting = v < c
+        while waiting:
+            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            waiting = (v < c) & ((globaltimer() - t0) < timeout_ns)
+        if v < c:
+            tl.store(err_ptr, c)
+        tl.debug_barrier()  # the other threads read after this program's acquire
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_words
+        # .cg: from L2, never a line of an earlier message left in this SM's L1
+        data = tl.load(src_ptr + offs, mask=mask, cache_modifier=".cg")
+        tl.store(dst_ptr + offs, data, mask=mask)
+        tl.debug_barrier()
+        prev = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+        if prev == tl.num_programs(0) - 1:
+            tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
+            tl.store(ctr_ptr, c)
+
+
 def kernels():
+    """The connector's kernels (from this tree) plus the fused experiment."""
     spec = importlib.util.spec_from_file_location("afd_ipc_kernels", KERNELS)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    mod.send_fused, mod.recv_fused = fused_kernels()
     return mod
+
+
+def fused_kernels():
+    """(send_fused, recv_fused): one launch per side and hand-over."""
+
+    def words(t):
+        return t.reshape(-1).view(torch.int32)
+
+    def grid(n: int) -> tuple[int]:
+        return (max(1, triton.cdiv(n, FUSED_BLOCK)),)
+
+    def send_fused(src, dst, ctr, flag, done) -> None:
+        s, d = words(src), words(dst)
+        _send_fused_kernel[grid(s.numel())](s, d, s.numel(), ctr, flag, done, BLOCK=FUSED_BLOCK)
+
+    def recv_fused(src, dst, ctr, flag, err, done, timeout_ns) -> None:
+        s, d = words(src), words(dst)
+        _recv_fused_kernel[grid(s.numel())](s, d, s.numel(), ctr, flag, err, done, timeout_ns,
+                                            BLOCK=FUSED_BLOCK)  # fmt: skip
+
+    return send_fused, recv_fused
 
 
 class Side:

@@ -1,8 +1,5 @@
 """The cuda_ipc connector on its own: two processes on one GPU.
 
-The exact-result cases run both hand-over kernels: fused (one kernel per side, the
-default) and split (``ipc_fused_kernels: false``).
-
 Eager steps and CUDA-graph replays of a three-layer exchange return exactly
 what the FFN process computed, also for DBO steps (two micro-batch slots, each
 exchange on its own stream) and for a global-mode capture that lasts longer
@@ -40,27 +37,27 @@ def _free_port() -> int:
     return su.free_port()
 
 
-def _ctx(role: str, port: int, rank: int = 0, m: int = 1, fused: bool = True):
+def _ctx(role: str, port: int, rank: int = 0, m: int = 1):
     from vllm.afd.protocol import FINGERPRINT_KEYS, PROTOCOL_VERSION
     from vllm.config.afd import AFDConfig
     from vllm.distributed.afd.base import ConnectorContext
 
     cfg = AFDConfig.from_dict({"role": role, "connector": "cuda_ipc", "port": port,
-                               "timeout_s": TIMEOUT_S, "num_attention_ranks": m,
-                               "connector_extra_config": {"ipc_fused_kernels": fused}})  # fmt: skip
+                               "timeout_s": TIMEOUT_S, "num_attention_ranks": m})  # fmt: skip
     fp = {k: "x" for k in FINGERPRINT_KEYS}
     fp.update(protocol=PROTOCOL_VERSION, hidden_size=HIDDEN, dtype="bfloat16",
               ffn_layers=list(range(LAYERS)), connector="cuda_ipc",
               num_attention_ranks=m, num_ffn_ranks=1, compute_gate_on_attention=False,
               max_num_tokens=MAX_TOKENS, afd_revision="test")  # fmt: skip
-    return ConnectorContext(cfg, rank, fp, MAX_TOKENS, torch.device("cuda:0"))
+    # "cuda" without an index, as vLLM's device config gives it
+    return ConnectorContext(cfg, rank, fp, MAX_TOKENS, torch.device("cuda"))
 
 
-def _ffn_main(port: int, stall_after: int, ready, m: int = 1, fused: bool = True) -> None:
+def _ffn_main(port: int, stall_after: int, ready, m: int = 1) -> None:
     from vllm.distributed.afd.base import create_ffn_connector
 
     torch.cuda.set_device(0)
-    conn = create_ffn_connector(_ctx("ffn", port, m=m, fused=fused))
+    conn = create_ffn_connector(_ctx("ffn", port, m=m))
     conn.start()
     ready.set()
     from vllm.afd.protocol import ubatch_of
@@ -93,13 +90,12 @@ def _reference(x: torch.Tensor) -> torch.Tensor:
 class _Pair:
     """The FFN process and ``m`` attention ranks (connectors of this process)."""
 
-    def __init__(self, stall_after: int = 1 << 30, m: int = 1, fused: bool = True):
+    def __init__(self, stall_after: int = 1 << 30, m: int = 1):
         # Everything slow first (imports, CUDA start): the FFN process waits
         # only timeout_s for this side.
         torch.zeros(1, device="cuda")
         self.port = _free_port()
         self.m = m
-        self.fused = fused  # the hand-over kernels (connector_extra_config.ipc_fused_kernels)
         # Per rank: (time, message) of each failure its watchdog reported.
         self.failed: dict[int, list[tuple[float, str]]] = {r: [] for r in range(m)}
         self.failures = self.failed[0]
@@ -107,7 +103,7 @@ class _Pair:
         self.conn = self.conns[0]
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
-        self.ffn = ctx.Process(target=_ffn_main, args=(self.port, stall_after, ready, m, fused),
+        self.ffn = ctx.Process(target=_ffn_main, args=(self.port, stall_after, ready, m),
                                daemon=True)  # fmt: skip
         self.ffn.start()
         assert ready.wait(120), "FFN process did not start"
@@ -117,7 +113,7 @@ class _Pair:
     def attention(self, rank: int):
         from vllm.distributed.afd.base import create_attention_connector
 
-        conn = create_attention_connector(_ctx("attention", self.port, rank, self.m, self.fused))
+        conn = create_attention_connector(_ctx("attention", self.port, rank, self.m))
         conn.on_failure = lambda msg: self.failed[rank].append((time.monotonic(), msg))
         return conn
 
@@ -187,9 +183,8 @@ def pair():
         p.close()
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
-def test_eager_and_graph_replay_exact(pair, fused):
-    p = pair(fused=fused)
+def test_eager_and_graph_replay_exact(pair):
+    p = pair()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n in (1, 7, 64, MAX_TOKENS):  # eager, several sizes
         x = torch.randn((n, HIDDEN), dtype=torch.bfloat16, device="cuda", generator=gen)
@@ -240,9 +235,8 @@ def test_killed_ffn_fails_fast(pair):
     print(f"killed FFN: failure reported {elapsed:.2f} s after SIGKILL")
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
-def test_dbo_steps_use_one_slot_and_stream_per_micro_batch(pair, fused):
-    p = pair(fused=fused)
+def test_dbo_steps_use_one_slot_and_stream_per_micro_batch(pair):
+    p = pair()
     gen = torch.Generator(device="cuda").manual_seed(1)
     for n0, n1 in ((1, 1), (2, 1), (32, 32), (64, 63)):  # eager
         xs = [torch.randn((n, HIDDEN), dtype=torch.bfloat16, device="cuda", generator=gen)

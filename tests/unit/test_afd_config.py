@@ -155,8 +155,6 @@ BAD = [
     ({"role": "ffn", "connector": 3}, r"'connector' must be a string; got int"),
     ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graphs": "yes"}},
      r"connector_extra_config\.ffn_cuda_graphs must be true or false; got 'yes'"),
-    ({"role": "ffn", "connector_extra_config": {"ipc_fused_kernels": 1}},
-     r"connector_extra_config\.ipc_fused_kernels must be true or false; got 1"),
     ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graph_max_tokens": -1}},
      r"connector_extra_config\.ffn_cuda_graph_max_tokens must be a non-negative integer; got -1"),
     ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graph_max_count": 2.5}},

@@ -216,10 +216,9 @@ class AFDConfig:
         secret_env = self.connector_extra_config.get("secret_env")
         if secret_env is not None and not isinstance(secret_env, str):
             fail("connector_extra_config.secret_env must be the name of an environment variable")
-        for flag in ("ffn_cuda_graphs", "ipc_fused_kernels"):
-            value = self.connector_extra_config.get(flag, True)
-            if not isinstance(value, bool):
-                fail(f"connector_extra_config.{flag} must be true or false; got {value!r}")
+        graphs = self.connector_extra_config.get("ffn_cuda_graphs", True)
+        if not isinstance(graphs, bool):
+            fail(f"connector_extra_config.ffn_cuda_graphs must be true or false; got {graphs!r}")
         per_pass = self.connector_extra_config.get("ffn_max_tokens_per_pass")
         if per_pass is not None and (not _is_int(per_pass) or per_pass < 1):
             fail(

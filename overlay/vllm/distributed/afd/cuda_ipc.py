@@ -7,14 +7,13 @@ in CUDA graphs and the FFN role can replay its own graphs:
 * each side allocates an *inbox* in its own GPU memory (data buffer plus a
   row of int64 flags) and hands the other side a CUDA IPC handle to it over
   the TCP connector's socket, after the usual hello;
-* a message is a copy into the peer's inbox and a release-store of a
-  device-side counter into the peer's flag; the receiver spins on its own flag
-  (acquire) until it reaches its own counter + 1, then copies the message out.
-  By default each side does its part of a hand-over in one Triton kernel
-  (``vllm.distributed.afd.ipc_kernels``: ``send_fused``, ``recv_fused``);
-  ``connector_extra_config.ipc_fused_kernels: false`` runs a torch copy and a
-  one-program signal / wait kernel instead. Counters live on the device, so a
-  replayed graph advances them like an eager step does;
+* a message is a copy into the peer's inbox followed by a one-program Triton
+  kernel (``vllm.distributed.afd.ipc_kernels``) that bumps a device-side counter
+  and release-stores it into the peer's flag; the receiver's kernel spins on its
+  own flag (acquire) until it reaches its own counter + 1, then a copy takes the
+  message out. Counters live on the device, so a replayed graph advances them
+  like an eager step does (one hand-over costs about 5 us on an H200 under MPS,
+  benchmarks/handover.py);
 * the step-control message (token count, flags) is written the same way, into
   the attention rank's control buffer on the FFN rank; the FFN host polls the
   control buffers of its ranks with small copies on a side stream (the FFN
@@ -127,11 +126,20 @@ NO_REF_COUNTER = b"/afd-cuda-ipc/no-ref-counter"
 _EXPORT_POOLS: list = []
 
 
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: vLLM's device config says "cuda" without one (the
+    current device), which torch's memory-pool context refuses."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def exported_zeros(nbytes: int, device: torch.device) -> torch.Tensor:
     """A zeroed 1-D uint8 CUDA buffer alone in a cudaMalloc segment: CUDA IPC
     maps a peer the whole segment of a buffer, so nothing else of this process
     (another peer's buffer, model memory) may share it. A private memory pool
     per buffer gives it a fresh segment, starting at the buffer."""
+    device = indexed(device)
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool, device=device):
         t = torch.zeros(nbytes, dtype=torch.uint8, device=device)
@@ -313,33 +321,18 @@ def gpu_uuid(device: torch.device) -> str:
         return ""
 
 
-def fused_kernels(ctx: ConnectorContext) -> bool:
-    """connector_extra_config.ipc_fused_kernels (default true): one kernel per side
-    and hand-over instead of a copy and a signal / a wait and a copy."""
-    return bool(ctx.config.connector_extra_config.get("ipc_fused_kernels", True))
-
-
-def send_message(
-    src: torch.Tensor, dst: torch.Tensor, ctr: torch.Tensor, flag: torch.Tensor,
-    done: torch.Tensor, fused: bool,
-) -> None:  # fmt: skip
+def send_message(src: torch.Tensor, dst: torch.Tensor, ctr: torch.Tensor, flag: torch.Tensor) -> None:
     """Copy ``src`` into the peer's inbox view ``dst`` and signal the peer's ``flag``."""
-    if fused and kernels.fusable(src, dst):
-        kernels.send_fused(src, dst, ctr, flag, done)
-        return
     dst.copy_(src)
     kernels.signal(ctr, flag)
 
 
 def recv_message(
     src: torch.Tensor, out: torch.Tensor, ctr: torch.Tensor, flag: torch.Tensor,
-    err: torch.Tensor, done: torch.Tensor, timeout_ns: int, fused: bool,
+    err: torch.Tensor, timeout_ns: int,
 ) -> None:  # fmt: skip
     """Wait for the peer's signal on ``flag`` (bounded; ``err`` on a timeout), then
     copy this side's inbox view ``src`` into ``out``."""
-    if fused and kernels.fusable(src, out):
-        kernels.recv_fused(src, out, ctr, flag, err, done, timeout_ns)
-        return
     kernels.wait(ctr, flag, err, timeout_ns)
     out.copy_(src)
 
@@ -355,7 +348,6 @@ class IPCAttentionConnector(TCPAttentionConnector):
         # ends the process (see the module docstring). Tests replace it.
         self.on_failure = failure.exit_now
         self.slot_bytes = 0  # set with the buffers (message_bytes)
-        self.fused = fused_kernels(ctx)
         self.peer_gpu: str | None = None  # the FFN rank's GPU UUID (its reply)
         self._send_off = [0] * SLOTS
         self._watch: threading.Thread | None = None
@@ -384,9 +376,8 @@ class IPCAttentionConnector(TCPAttentionConnector):
         flags = exported_zeros(FLAGS_BYTES, dev)
         self.outbox = exported_zeros(inbox_bytes, dev)
         # This rank's own: row 0 [0] the error word; row 1 the control counter;
-        # rows 2 + 2s, 3 + 2s: counters of data sent / received in slot s; rows
-        # 2 + 2 SLOTS + 2s, + 1: the fused kernels' program counts (send, receive).
-        self.state = torch.zeros((2 + 4 * SLOTS, ROW), dtype=torch.int64, device=dev)
+        # rows 2 + 2s, 3 + 2s: counters of data sent / received in slot s.
+        self.state = torch.zeros((2 + 2 * SLOTS, ROW), dtype=torch.int64, device=dev)
         torch.cuda.synchronize(dev)  # zeroed before the FFN rank can write them
         mine = _flat({"flags": export_buffer(flags), "outbox": export_buffer(self.outbox),
                       "gpu_uuid": gpu_uuid(dev)})  # fmt: skip
@@ -411,8 +402,6 @@ class IPCAttentionConnector(TCPAttentionConnector):
         self.ctr_ctrl = self.state[1]
         self.ctr_sent = [self.state[2 + 2 * s] for s in range(SLOTS)]
         self.ctr_recv = [self.state[3 + 2 * s] for s in range(SLOTS)]
-        self.done_send = [self.state[2 + 2 * SLOTS + 2 * s] for s in range(SLOTS)]
-        self.done_recv = [self.state[3 + 2 * SLOTS + 2 * s] for s in range(SLOTS)]
         self._host_err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._side = torch.cuda.Stream(device=dev)
         # DBO: one stream per micro-batch for its exchange (see the module docstring).
@@ -463,13 +452,11 @@ class IPCAttentionConnector(TCPAttentionConnector):
         with torch.cuda.stream(stream):
             dst = _view(self.inbox, self._send_off[s], x, s, self.slot_bytes)
             self._send_off[s] += _align(dst.numel() * dst.element_size())
-            send_message(x, dst, self.ctr_sent[s], self.data_flags[s], self.done_send[s],
-                         self.fused)  # fmt: skip
+            send_message(x, dst, self.ctr_sent[s], self.data_flags[s])
 
     def recv(self, out: torch.Tensor) -> torch.Tensor:
         recv_message(_view(self.outbox, 0, out, 0, self.slot_bytes), out, self.ctr_recv[0],
-                     self.recv_flags[0], self.err, self.done_recv[0], self.timeout_ns,
-                     self.fused)  # fmt: skip
+                     self.recv_flags[0], self.err, self.timeout_ns)  # fmt: skip
         self._send_off[0] = 0
         return out
 
@@ -480,8 +467,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         s, stream = self._slot_stream()
         with torch.cuda.stream(stream):
             recv_message(_view(self.outbox, 0, out, s, self.slot_bytes), out, self.ctr_recv[s],
-                         self.recv_flags[s], self.err, self.done_recv[s], self.timeout_ns,
-                         self.fused)  # fmt: skip
+                         self.recv_flags[s], self.err, self.timeout_ns)  # fmt: skip
             done = torch.cuda.Event()
             done.record(stream)
         self._send_off[s] = 0
@@ -614,7 +600,6 @@ class IPCFFNConnector(TCPFFNConnector):
         super().__init__(ctx)
         self.timeout_ns = _timeout_ns(ctx)
         self.slot_bytes = 0  # set with the buffers (message_bytes)
-        self.fused = fused_kernels(ctx)
         self.ranks = sorted(self.expected)
         self.inboxes: dict[int, _Inbox] = {}
         self.counters: torch.Tensor | None = None
@@ -637,11 +622,10 @@ class IPCFFNConnector(TCPFFNConnector):
     def _make_buffers(self, dev: torch.device) -> None:
         """Per attention rank a control buffer and an inbox of its own, and this
         rank's device counters (never exported: per rank and micro-batch slot,
-        four rows: data received, data sent, and the fused kernels' program counts
-        of a receive and of a send)."""
+        two rows: data received, data sent)."""
         self.slot_bytes = message_bytes(self.ctx)
         k = len(self.ranks)
-        self.counters = torch.zeros((4 * SLOTS * k, ROW), dtype=torch.int64, device=dev)
+        self.counters = torch.zeros((2 * SLOTS * k, ROW), dtype=torch.int64, device=dev)
         for r, rank in enumerate(self.ranks):
             ctrl = exported_zeros(CTRL_BYTES, dev)
             data = exported_zeros(SLOTS * self.slot_bytes, dev)
@@ -649,8 +633,8 @@ class IPCFFNConnector(TCPFFNConnector):
             self.inboxes[rank] = _Inbox(r, ctrl.view(torch.int64).view(CTRL_ROWS, ROW), data,
                                         desc)  # fmt: skip
 
-    def _counter(self, box: _Inbox, slot: int, sent: bool, done: bool = False) -> torch.Tensor:
-        return self.counters[4 * (box.row * SLOTS + slot) + 2 * int(done) + int(sent)]
+    def _counter(self, box: _Inbox, slot: int, sent: bool) -> torch.Tensor:
+        return self.counters[2 * (box.row * SLOTS + slot) + int(sent)]
 
     def _accept_device(self, rank: int, sock, addr: str) -> None:
         """Map the attention rank's buffers and give it its own (handshake thread)."""
@@ -680,7 +664,7 @@ class IPCFFNConnector(TCPFFNConnector):
         r = box.row
         with torch.cuda.stream(self._side):
             box.ctrl.zero_()
-            self.counters[4 * SLOTS * r : 4 * SLOTS * (r + 1)].zero_()
+            self.counters[2 * SLOTS * r : 2 * SLOTS * (r + 1)].zero_()
         torch.cuda.synchronize(self.ctx.device)
         box.seen = 0
         box.recv_off = [0] * SLOTS
@@ -815,15 +799,14 @@ class IPCFFNConnector(TCPFFNConnector):
         s = ubatch_of(peer.control.flags)[0]
         src = _view(box.data, box.recv_off[s], out, s, self.slot_bytes)
         recv_message(src, out, self._counter(box, s, False), box.ctrl[0, C_DATA + s :],
-                     box.ctrl[ERR_ROW], self._counter(box, s, False, done=True),
-                     self.timeout_ns, self.fused)  # fmt: skip
+                     box.ctrl[ERR_ROW], self.timeout_ns)  # fmt: skip
         box.recv_off[s] += _align(out.numel() * out.element_size())
 
     def send(self, peer: StepPeer, y: torch.Tensor) -> None:
         box = self.inboxes[peer.rank]
         s = ubatch_of(peer.control.flags)[0]
         send_message(y, _view(box.outbox, 0, y, s, self.slot_bytes), self._counter(box, s, True),
-                     box.flags[s:], self._counter(box, s, True, done=True), self.fused)  # fmt: skip
+                     box.flags[s:])  # fmt: skip
         box.recv_off[s] = 0
 
     def close(self) -> None:
