@@ -100,8 +100,10 @@ def start(pipe_dir: str = PIPE_DIR, log_dir: str = LOG_DIR) -> dict[str, str]:
 
 
 def stop(env: dict[str, str] | None = None) -> None:
+    """Tell the control daemon to quit (it can take a while when a client process
+    is still ending: seen on an H200 past 10 s)."""
     env = env or mps_env()
-    _control(control_binary(), env, "quit")
+    _control(control_binary(), env, "quit", timeout=60.0)
 
 
 def log_tail(log_dir: str, n: int = 10) -> str:
