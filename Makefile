@@ -29,7 +29,7 @@ TREE_ARGS = $(if $(TREE),--tree $(TREE))
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply-patches export-patches check wheel wheel-cpu venv models bundle \
-        demo test test-unit test-cpu test-oracle test-target test-gpu lint clean \
+        models-table demo test test-unit test-cpu test-oracle test-target test-gpu lint clean \
         rebase rebase-continue rebase-abort rebase-report drift
 
 help: ## list the targets
@@ -59,6 +59,9 @@ venv: wheel-cpu ## .venv with torch and the custom CPU wheel (no-op when up to d
 
 models: venv ## tiny deterministic random-weight checkpoints -> build/models/ (build/models-X)
 	$(VPY) scripts/make_models.py --out $(MODELS)
+
+models-table: ## docs/models.md: the supported model families table from vllm.afd.architectures
+	$(PY) scripts/models_table.py
 
 bundle: wheel ## offline install bundle for the GPU host -> dist/bundle/ (parts <= 48 MiB)
 	$(AFD) bundle $(TARGET_ARGS)

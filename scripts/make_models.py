@@ -96,7 +96,194 @@ _DEEPSEEK_YARN = dict(
     mscale_all_dim=0.707,
 )
 
-# name -> (config overrides, dtype). All CPU models are float32.
+# The MoE families of docs/models.md, one tiny checkpoint each (hidden 128, 8 experts or
+# fewer, top-2): the layer mix, router and shared-expert shape of the family.
+_EXPERTS = dict(num_experts_per_tok=2)
+_FAMILIES: dict[str, dict] = {
+    "mixtral": dict(
+        model_type="mixtral",
+        architectures=["MixtralForCausalLM"],
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_local_experts=8,
+        **_EXPERTS,
+        **_ATTN,
+        **_COMMON,
+    ),
+    # Qwen2-MoE: a shared expert scaled by its own sigmoid gate; layer 0 dense.
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        architectures=["Qwen2MoeForCausalLM"],
+        num_hidden_layers=3,
+        intermediate_size=256,
+        num_experts=8,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        norm_topk_prob=False,
+        **_EXPERTS,
+        **_ATTN,
+        **_COMMON,
+    ),
+    "olmoe": dict(
+        model_type="olmoe",
+        architectures=["OlmoeForCausalLM"],
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_experts=8,
+        norm_topk_prob=False,
+        **_EXPERTS,
+        **_ATTN,
+        **_COMMON,
+    ),
+    # GLM-4.5: first layer dense, sigmoid routing with e_score_correction_bias (random here,
+    # so it changes the choice of experts), a shared expert, routed scaling.
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        architectures=["Glm4MoeForCausalLM"],
+        num_hidden_layers=3,
+        intermediate_size=256,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        moe_intermediate_size=64,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        num_nextn_predict_layers=0,
+        **_EXPERTS,
+        **_ATTN,
+        **_COMMON,
+    ),
+    # ERNIE-4.5-MoE: first layer dense, fp32 router with e_score_correction_bias, a shared
+    # expert.
+    "ernie45_moe": dict(
+        model_type="ernie4_5_moe",
+        architectures=["Ernie4_5_MoeForCausalLM"],
+        num_hidden_layers=3,
+        intermediate_size=256,
+        moe_num_experts=8,
+        moe_k=2,
+        moe_intermediate_size=64,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+        moe_layer_end_index=2,
+        moe_layer_interval=1,
+        **_ATTN,
+        **_COMMON,
+    ),
+    # MiniMax-M2: fp32 router, a routing bias (e_score_correction_bias), partial rotary, QK
+    # norm. Softmax scoring, not the sigmoid of the released model: vLLM's CPU MoE routing
+    # (fused_moe/cpu_fused_moe.py select_experts) takes sigmoid only with grouped top-k,
+    # which MiniMax-M2 does not use.
+    "minimax_m2": dict(
+        model_type="minimax_m2",
+        architectures=["MiniMaxM2ForCausalLM"],
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_local_experts=8,
+        scoring_func="softmax",
+        use_routing_bias=True,
+        rotary_dim=16,
+        use_qk_norm=True,
+        qk_norm_type="per_layer",
+        **_EXPERTS,
+        **_ATTN,
+        **_COMMON,
+    ),
+    # GPT-OSS: attention sinks, sliding window on even layers, router and expert biases,
+    # clamped SwiGLU (swiglu_limit).
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        architectures=["GptOssForCausalLM"],
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_local_experts=8,
+        sliding_window=16,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=4.0,
+            original_max_position_embeddings=MAX_POS // 4,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+        **_EXPERTS,
+        **_ATTN,
+        **_COMMON,
+    ),
+    # Llama 4 (text): MoE every second layer (interleave step 2) with a shared expert,
+    # sigmoid top-1 routing applied on the input; layer 1 without RoPE.
+    "llama4": dict(
+        model_type="llama4_text",
+        architectures=["Llama4ForCausalLM"],
+        num_hidden_layers=2,
+        intermediate_size=64,
+        intermediate_size_mlp=256,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        no_rope_layers=[1, 0],
+        attention_chunk_size=128,  # a multiple of the CPU KV cache block (128)
+        **_ATTN,
+        **_COMMON,
+    ),
+    # Step-3 (text): one shared KV head with a low-rank query (share_q_dim, inter_norm, wq);
+    # layer 0 dense, layers 1-2 MoE with a shared expert. No transformers class: vLLM's
+    # config class and the tensor names of step3_tensor_shapes.
+    "step3_text": dict(
+        model_type="step3_text",
+        architectures=["Step3TextForCausalLM"],
+        num_hidden_layers=3,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_attention_groups=1,
+        head_dim=32,
+        share_q_dim=64,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        moe_num_experts=8,
+        moe_top_k=2,
+        share_expert_dim=64,
+        moe_layers_enum="1,2",
+        norm_expert_weight=False,
+        max_position_embedding=MAX_POS,
+        max_seq_len=MAX_POS,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3-Next: a linear-attention (Gated DeltaNet) layer and a full-attention layer.
+    "qwen3_next": dict(
+        model_type="qwen3_next",
+        architectures=["Qwen3NextForCausalLM"],
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        intermediate_size=256,
+        num_experts=8,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,  # vLLM 0.32's CPU Gated DeltaNet kernels: head dim 64 or 128
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        **_EXPERTS,
+        **_ATTN,
+        **_COMMON,
+    ),
+}
+
+# bfloat16 where vLLM's CPU kernels take nothing else: the CPU attention kernel reads the
+# attention sinks as bf16 (csrc/cpu/cpu_attn.cpp), the CPU Gated DeltaNet asserts bf16.
+_FAMILY_DTYPES = {"gpt_oss": "bfloat16", "qwen3_next": "bfloat16"}
+
+# name -> (config overrides, dtype). CPU models are float32 unless said otherwise.
 MODELS: dict[str, tuple[dict, str]] = {
     "llama": (
         dict(
@@ -137,6 +324,7 @@ MODELS: dict[str, tuple[dict, str]] = {
         ),
         "bfloat16",
     ),
+    **{name: (spec, _FAMILY_DTYPES.get(name, "float32")) for name, spec in _FAMILIES.items()},
 }
 
 
@@ -248,8 +436,64 @@ def build_tokenizer(out: Path) -> int:
     }
 
 
+def step3_tensor_shapes(c) -> dict[str, tuple[int, ...]]:
+    """Step-3 text's checkpoint names (those vLLM's step3_text.py loads: stacked experts)."""
+    h, hd, q = c.hidden_size, c.head_dim, c.share_q_dim
+    shapes = {
+        "model.embed_tokens.weight": (c.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (c.vocab_size, h),
+    }
+    moe = {int(i) for i in c.moe_layers_enum.split(",")}
+
+    def mlp(prefix: str, inter: int) -> None:
+        shapes[f"{prefix}.gate_proj.weight"] = (inter, h)
+        shapes[f"{prefix}.up_proj.weight"] = (inter, h)
+        shapes[f"{prefix}.down_proj.weight"] = (h, inter)
+
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        shapes[f"{p}.self_attn.q_proj.weight"] = (q, h)
+        shapes[f"{p}.self_attn.k_proj.weight"] = (hd, h)
+        shapes[f"{p}.self_attn.v_proj.weight"] = (hd, h)
+        shapes[f"{p}.self_attn.inter_norm.weight"] = (q,)
+        shapes[f"{p}.self_attn.wq.weight"] = (c.num_attention_heads * hd, q)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (h, c.num_attention_heads * hd)
+        if i not in moe:
+            mlp(f"{p}.mlp", c.intermediate_size)
+            continue
+        e, m = c.moe_num_experts, c.moe_intermediate_size
+        shapes[f"{p}.moe.gate.weight"] = (e, h)
+        shapes[f"{p}.moe.gate_proj.weight"] = (e, m, h)
+        shapes[f"{p}.moe.up_proj.weight"] = (e, m, h)
+        shapes[f"{p}.moe.down_proj.weight"] = (e, h, m)
+        mlp(f"{p}.share_expert", c.share_expert_dim)
+    return shapes
+
+
+# Model types transformers has no class for: vLLM's config class, and the tensor names.
+CUSTOM_TYPES = {
+    "step3_text": ("vllm.transformers_utils.configs.step3_vl.Step3TextConfig", step3_tensor_shapes)
+}
+
+
+def make_config(model_type: str, **kwargs):
+    if model_type not in CUSTOM_TYPES:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(model_type, **kwargs)
+    import importlib
+
+    module, _, cls = CUSTOM_TYPES[model_type][0].rpartition(".")
+    return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
 def tensor_names_and_shapes(config) -> dict[str, tuple[int, ...]]:
     """The hub-format tensor names transformers writes for this config (per-expert MoE)."""
+    if config.model_type in CUSTOM_TYPES:
+        return CUSTOM_TYPES[config.model_type][1](config)
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -300,7 +544,6 @@ def spec_hash(name: str) -> str:
 def make_model(name: str, out_root: Path, force: bool = False) -> str:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig
 
     out = out_root / name
     digest = spec_hash(name)
@@ -315,7 +558,7 @@ def make_model(name: str, out_root: Path, force: bool = False) -> str:
     overrides, dtype_name = MODELS[name]
     overrides = dict(overrides)
     model_type = overrides.pop("model_type")
-    config = AutoConfig.for_model(
+    config = make_config(
         model_type,
         vocab_size=vocab,
         bos_token_id=ids[BOS],

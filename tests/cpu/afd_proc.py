@@ -39,6 +39,8 @@ def engine_kwargs(args) -> dict:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.kv_cache_memory_bytes:
         kw["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    if args.mamba_ssm_cache_dtype:
+        kw["mamba_ssm_cache_dtype"] = args.mamba_ssm_cache_dtype
     if args.afd:
         kw["afd_config"] = json.loads(args.afd)
     if args.compilation_config:
@@ -143,6 +145,8 @@ def main() -> int:
     p.add_argument("--dbo-threshold", type=int, default=2,
                    help="decode and prefill token threshold for micro-batches with --enable-dbo")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--mamba-ssm-cache-dtype", default=None,
+                   help="dtype of a hybrid model's recurrent state (Qwen3-Next on the CPU: float32)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ffn: an FFN group of this many ranks (one per worker)")
     p.add_argument("--enable-expert-parallel", action="store_true",

@@ -22,6 +22,8 @@ from harness import AfdProc, afd_json, cpu_shm_files, ffn_stopped_counts
 from harness import free_afd_port as free_port
 from oracle_lib import PROMPTS, assert_outputs_match, write_prompts
 
+from vllm.afd import architectures
+
 pytestmark = pytest.mark.cpu_e2e
 
 LOGPROB_TOL = 1e-4
@@ -31,14 +33,14 @@ START_TIMEOUT = 420  # engine start on a loaded 2-core machine
 _PLAIN_CACHE: dict[str, dict] = {}
 
 
-def plain_reference(model: Path, tmp_path: Path) -> dict:
+def plain_reference(model: Path, tmp_path: Path, engine_args: tuple[str, ...] = ()) -> dict:
     """Plain vLLM output for PROMPTS (computed once per model per session)."""
     key = str(model)
     if key not in _PLAIN_CACHE:
         out = tmp_path / f"plain_{model.name}.json"
         p = AfdProc("plain", model, tmp_path / f"plain_{model.name}.log",
                     ["--prompts", str(write_prompts(tmp_path)), "--out", str(out),
-                     "--max-num-seqs", "4"])
+                     "--max-num-seqs", "4", *engine_args])
         rc = p.wait(START_TIMEOUT)
         assert rc == 0, p.tail()
         _PLAIN_CACHE[key] = json.loads(out.read_text())
@@ -52,10 +54,12 @@ def assert_matches(plain: dict, afd: dict) -> float:
 def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
             num_attention=1, extra: dict | None = None, attn_model: Path | None = None,
             attn_args: tuple[str, ...] = (), ffn_group: int = 1,
-            attn_extra: dict | None = None, ffn_ready_first: bool = False):
+            attn_extra: dict | None = None, ffn_ready_first: bool = False,
+            engine_args: tuple[str, ...] = ()):
     """ffn_group > 1: one FFN server of that many tensor-parallel workers, FFN
     ranks 0..ffn_group-1 (an FFN group). attn_extra: --afd-config keys of the
     attention ranks only (timeouts: the handshake does not compare them).
+    engine_args: afd_proc.py arguments of every engine (dtype, cache dtype).
     ffn_ready_first: start the attention ranks once the FFN server listens (their
     connect timeout then counts from their first attempt, not from the FFN's start)."""
     extra = dict(extra or {})
@@ -66,7 +70,7 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
 
     def start_ffn():
         p = AfdProc("ffn", model, tmp_path / "ffn.log",
-                    ["--afd", afd_json("ffn", port, **topo), *group_args])
+                    ["--afd", afd_json("ffn", port, **topo), *group_args, *engine_args])
         procs.append(p)
         return p
 
@@ -76,7 +80,7 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
                     ["--afd", afd_json("attention", port, rank=rank,
                                        **{**topo, **(attn_extra or {})}),
                      "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "4",
-                     *attn_args])
+                     *engine_args, *attn_args])
         procs.append(p)
         return p, out
 
@@ -102,6 +106,56 @@ def test_oracle_1a1f(name, models_dir, tmp_path, procs):
     worst = assert_matches(plain, json.loads(out.read_text()))
     print(f"{name}: tokens identical, max |logprob diff| {worst:.2e}")
     assert ffn.p.poll() is None, "FFN server must keep serving after the attention goodbye"
+
+
+# The MoE families of vllm.afd.architectures (docs/models.md), one 1A1F case each on a
+# checkpoint of scripts/make_models.py: name -> (family, MoE layers of the checkpoint,
+# afd_proc.py arguments of every engine besides the checkpoint's dtype). The router runs
+# on the attention role where the family allows it (the harder path: the stand-in computes
+# the logits as the block would, the FFN role swaps its router for them); the gate-on-FFN
+# path is the block's own forward.
+FAMILY_CASES: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "mixtral": ("Mixtral", 2, ()),
+    "qwen2_moe": ("Qwen2-MoE", 2, ()),
+    "olmoe": ("OLMoE", 2, ()),
+    "glm4_moe": ("GLM-4.5", 2, ()),
+    "ernie45_moe": ("ERNIE-4.5-MoE", 2, ()),
+    "minimax_m2": ("MiniMax-M2", 2, ()),
+    "step3_text": ("Step-3", 2, ()),
+    "gpt_oss": ("GPT-OSS", 2, ()),
+    "llama4": ("Llama 4", 1, ()),
+    "qwen3_next": ("Qwen3-Next", 2, ("--mamba-ssm-cache-dtype", "float32")),
+}
+FAMILIES = {f.name: f for f in architectures.FAMILIES}
+
+
+def family_param(name: str):
+    """A case of a family the installed vLLM line does not mark is skipped, saying why."""
+    family = FAMILIES[FAMILY_CASES[name][0]]
+    line = architectures.running_line()
+    return pytest.param(name, marks=pytest.mark.skipif(
+        line not in family.lines,
+        reason=f"{family.name} is marked on vLLM {', '.join(family.lines)} only, not on "
+               f"{line}: {family.cpu_note}"))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [family_param(n) for n in FAMILY_CASES])
+def test_oracle_family(name, models_dir, tmp_path, procs):
+    model = models_dir / name
+    family_name, moe_layers, args = FAMILY_CASES[name]
+    dtype = json.loads((model / "config.json").read_text())["torch_dtype"]
+    engine_args = ("--dtype", dtype, *args)
+    gated = FAMILIES[family_name].gate_on_attention
+    plain = plain_reference(model, tmp_path, engine_args)
+    ffn, [(attn, out)] = run_afd(procs, tmp_path, model, engine_args=engine_args,
+                                 extra={"compute_gate_on_attention": gated})
+    assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    worst = assert_matches(plain, json.loads(out.read_text()))
+    if gated:
+        assert f"router of {moe_layers} MoE layer(s) runs on the attention role" \
+            in attn.text(), attn.tail()
+    print(f"{name} ({dtype}, router on the {'attention' if gated else 'FFN'} role): "
+          f"tokens identical, max |logprob diff| {worst:.2e}")
 
 
 def test_oracle_attention_started_first(models_dir, tmp_path, procs):

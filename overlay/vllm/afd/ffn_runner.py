@@ -53,24 +53,33 @@ class _GivenRouterLogits(torch.nn.Module):
     this module for the duration of one call."""
 
     def __init__(self, block: torch.nn.Module):
+        from vllm.afd.model_split import router_name
+
         super().__init__()
-        gate = block.gate
+        self.name = router_name(block)  # "gate", or "router" (GPT-OSS, Llama 4)
+        gate = getattr(block, self.name)
         # Read the shape from the layer's attributes: post-load processing on
         # the CPU may replace the weight by a packed kernel handle.
-        self.num_experts = int(gate.output_size)
-        self.out_dtype = getattr(gate, "out_dtype", None) or gate.params_dtype
+        self.num_experts = int(getattr(gate, "output_size", None) or gate.out_features)
+        self.out_dtype = (
+            getattr(gate, "out_dtype", None)
+            or getattr(gate, "params_dtype", None)
+            or gate.weight.dtype  # a plain nn.Linear (GLM-4.5)
+        )
+        # vLLM linear layers return (logits, bias) unless built with return_bias=False.
+        self.as_tuple = bool(getattr(gate, "return_bias", False))
         self.logits: torch.Tensor | None = None
 
     def forward(self, block, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         self.logits = logits.to(self.out_dtype)
         stub = _LogitsStub(self)
         experts = block.experts
-        gate, runner_gate = block.gate, getattr(experts, "gate", None)
+        gate, runner_gate = getattr(block, self.name), getattr(experts, "gate", None)
         # vLLM >= 0.32 lets the MoE runner hold the gate (the block passes the
         # hidden states as "router_logits"); it may also fuse the gate with a
         # shared-expert gate. Both read the stub while it is swapped in.
         fused = getattr(experts, "_fse_fuse_gate", None)
-        block._modules["gate"] = stub
+        block._modules[self.name] = stub
         if runner_gate is not None:
             experts.gate = stub
             if fused:
@@ -78,7 +87,7 @@ class _GivenRouterLogits(torch.nn.Module):
         try:
             return block(x)
         finally:
-            block._modules["gate"] = gate
+            block._modules[self.name] = gate
             if runner_gate is not None:
                 experts.gate = runner_gate
                 if fused:
@@ -92,7 +101,7 @@ class _LogitsStub(torch.nn.Module):
         self.__dict__["owner"] = owner
 
     def forward(self, x: torch.Tensor):
-        return self.owner.logits, None
+        return (self.owner.logits, None) if self.owner.as_tuple else self.owner.logits
 
 
 class FFNModelRunner:

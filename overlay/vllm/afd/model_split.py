@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from vllm.afd import architectures
 from vllm.config.afd import AFDConfig
 from vllm.logger import init_logger
 
@@ -45,11 +46,15 @@ class AFDModelState:
 STATE = AFDModelState()
 
 
+def get_current_vllm_config():
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
+
+
 def get_afd_config(vllm_config=None) -> AFDConfig | None:
     if vllm_config is None:
-        from vllm.config import get_current_vllm_config_or_none
-
-        vllm_config = get_current_vllm_config_or_none()
+        vllm_config = get_current_vllm_config()
     return getattr(vllm_config, "afd_config", None) if vllm_config is not None else None
 
 
@@ -73,14 +78,26 @@ class RemoteFFN:
     afd_layer_idx: int
     afd_prefix: str
     afd_gate_on_attention: bool
+    afd_router: str | None  # the block's router submodule ("gate", "router")
+    afd_router_dtype: torch.dtype | None  # what the block casts the router's input to
+    afd_layer_names: tuple[str, ...]  # checkpoint names of the layer that load into it
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.afd_gate_on_attention:
-            router_logits, _ = self.gate(hidden_states)
+            router_logits = self.afd_router_logits(hidden_states)
             return torch.ops.vllm.afd_remote_ffn_gated(
                 hidden_states, router_logits, self.afd_layer_idx
             )
         return torch.ops.vllm.afd_remote_ffn(hidden_states, self.afd_layer_idx)
+
+    def afd_router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The router logits, computed as the block's own forward computes them."""
+        x = hidden_states
+        if self.afd_router_dtype is not None:
+            x = x.to(dtype=self.afd_router_dtype)
+        out = getattr(self, self.afd_router)(x)
+        # vLLM linear layers return (output, bias) unless built with return_bias=False
+        return out[0] if isinstance(out, tuple) else out
 
     def extra_repr(self) -> str:
         return f"AFD remote FFN, layer={self.afd_layer_idx}"
@@ -95,9 +112,31 @@ def _remote_class(cls: type) -> type:
     return _REMOTE_CLASSES[cls]
 
 
+# Names of an MoE block's router submodule ("router": GPT-OSS, Llama 4).
+ROUTER_NAMES = ("gate", "router")
+
+
+def router_name(module: nn.Module) -> str | None:
+    """The submodule of an MoE block (one with an ``experts`` runner) that computes the
+    router logits, which may run on the attention role; None for a dense block."""
+    if not hasattr(module, "experts"):
+        return None
+    for name in ROUTER_NAMES:
+        if isinstance(getattr(module, name, None), nn.Module):
+            return name
+    return None
+
+
 def is_routed_moe(module: nn.Module) -> bool:
-    """An MoE block whose router (``gate``) can run on the attention role."""
-    return isinstance(getattr(module, "gate", None), nn.Module) and hasattr(module, "experts")
+    """An MoE block whose router can run on the attention role."""
+    return router_name(module) is not None
+
+
+def router_input_dtype(family) -> torch.dtype | None:
+    """The dtype the family's MoE blocks cast the router's input to on this vLLM line,
+    None when they pass the hidden states as they are."""
+    line = architectures.running_line()
+    return torch.float32 if family is not None and line in family.router_input_float32 else None
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:
@@ -134,7 +173,7 @@ def _detach_remote_children(vllm_config, model: nn.Module) -> None:
         if not isinstance(m, RemoteFFN):
             continue
         for name in list(m._modules):
-            if not (m.afd_gate_on_attention and name == "gate"):
+            if not (m.afd_gate_on_attention and name == m.afd_router):
                 del m._modules[name]
         prefix = m.afd_prefix + "."
         for key in [k for k in ctx if k.startswith(prefix)]:
@@ -149,14 +188,19 @@ def _build_remote(cls, args, kwargs, prefix: str, layer_idx: int, cfg) -> nn.Mod
 
     with META:
         module = cls(*args, **kwargs)
-    gated = cfg.compute_gate_on_attention and is_routed_moe(module)
+    router = router_name(module)
+    gated = cfg.compute_gate_on_attention and router is not None
     if gated:
-        _materialize(module.gate, STATE.real_device)
-    _strip_tensors(module, keep=module.gate if gated else None)
+        _materialize(getattr(module, router), STATE.real_device)
+    _strip_tensors(module, keep=getattr(module, router) if gated else None)
     module.__class__ = _remote_class(cls)
     module.afd_layer_idx = layer_idx
     module.afd_prefix = prefix
     module.afd_gate_on_attention = gated
+    family = architectures.model_family(get_current_vllm_config().model_config)
+    module.afd_router = router
+    module.afd_router_dtype = router_input_dtype(family) if gated else None
+    module.afd_layer_names = family.layer_checkpoint_names if family is not None else ()
     attention.register_remote_layer(layer_idx, gated)
     return module
 
@@ -206,13 +250,29 @@ def filter_weights(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """Attention role: drop checkpoint tensors of the remote FFN blocks (a
-    model without :class:`RemoteFFN` modules is passed through)."""
-    remote = [m for m in model.modules() if isinstance(m, RemoteFFN)]
-    prefixes = tuple(m.afd_prefix + "." for m in remote)
+    model without :class:`RemoteFFN` modules is passed through).
+
+    A block's tensors are those under its module prefix (``model.layers.7.mlp``) or
+    under its path in the model, where a model names the two differently (MiniMax-M2
+    builds ``block_sparse_moe`` with the prefix ``mlp``; Step-3 prefixes its layers
+    ``.layers.7``), and the layer's tensors its family loads into it from outside its
+    path (Family.layer_checkpoint_names: Step-3's ``share_expert``)."""
+    remote = [(path, m) for path, m in model.named_modules() if isinstance(m, RemoteFFN)]
+    prefixes = tuple(
+        {p + "." for path, m in remote for p in (m.afd_prefix, path)}
+        | {f"{path.rpartition('.')[0]}.{name}." for path, m in remote for name in m.afd_layer_names}
+    )
     if not prefixes:
         return weights
     # Router weights stay on the attention role with compute_gate_on_attention.
-    kept = tuple(m.afd_prefix + ".gate." for m in remote if m.afd_gate_on_attention)
+    kept = tuple(
+        {
+            f"{p}.{m.afd_router}."
+            for path, m in remote
+            if m.afd_gate_on_attention
+            for p in (m.afd_prefix, path)
+        }
+    )
 
     def gen() -> Iterator[tuple[str, torch.Tensor]]:
         dropped = 0
@@ -258,7 +318,7 @@ def post_load(vllm_config, model: nn.Module, model_config, target_device) -> boo
 def router_logits_width(vllm_config) -> int | None:
     """Number of routed experts (the width of the router logits), if any."""
     hf = vllm_config.model_config.hf_text_config
-    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+    for key in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"):
         value = getattr(hf, key, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -284,6 +344,20 @@ MLP_CONFIG_KEYS = (
     "topk_method",
     "n_group",
     "topk_group",
+    # the keys of the other families' layer mix, routing and shared experts
+    "moe_k",
+    "moe_top_k",
+    "moe_num_shared_experts",
+    "moe_layer_start_index",
+    "moe_layer_end_index",
+    "moe_layer_interval",
+    "moe_layers_enum",
+    "share_expert_dim",
+    "interleave_moe_layer_step",
+    "intermediate_size_mlp",
+    "use_routing_bias",
+    "norm_expert_weight",
+    "swiglu_limit",
 )
 
 

@@ -241,6 +241,14 @@ class AFDConfig:
         if getattr(vllm_config, "speculative_config", None) is not None:
             raise AFDConfigError("AFD: speculative decoding is not supported yet")
         model_config = getattr(vllm_config, "model_config", None)
+        if getattr(model_config, "architecture", None):
+            # The families AFD serves (pure Python like this module; imported only here,
+            # for a real model configuration).
+            from vllm.afd.architectures import check_model
+
+            problem = check_model(model_config, self.compute_gate_on_attention)
+            if problem:
+                raise AFDConfigError(problem)
         scheduler = getattr(vllm_config, "scheduler_config", None)
         max_tokens = getattr(scheduler, "max_num_batched_tokens", None)
         if self.is_ffn and _is_int(max_tokens):
