@@ -33,14 +33,23 @@ START_TIMEOUT = 420  # engine start on a loaded 2-core machine
 _PLAIN_CACHE: dict[str, dict] = {}
 
 
-def plain_reference(model: Path, tmp_path: Path, engine_args: tuple[str, ...] = ()) -> dict:
+def start_plain(model: Path, tmp_path: Path, engine_args: tuple[str, ...] = ()):
+    """A plain vLLM engine generating PROMPTS: (its AfdProc, its output file). Its prompts
+    file is its own (an AFD pair started beside it rewrites tmp_path/prompts.json)."""
+    out = tmp_path / f"plain_{model.name}.json"
+    own = tmp_path / f"plain_{model.name}"
+    own.mkdir(exist_ok=True)
+    p = AfdProc("plain", model, tmp_path / f"plain_{model.name}.log",
+                ["--prompts", str(write_prompts(own)), "--out", str(out),
+                 "--max-num-seqs", "4", *engine_args])
+    return p, out
+
+
+def plain_reference(model: Path, tmp_path: Path) -> dict:
     """Plain vLLM output for PROMPTS (computed once per model per session)."""
     key = str(model)
     if key not in _PLAIN_CACHE:
-        out = tmp_path / f"plain_{model.name}.json"
-        p = AfdProc("plain", model, tmp_path / f"plain_{model.name}.log",
-                    ["--prompts", str(write_prompts(tmp_path)), "--out", str(out),
-                     "--max-num-seqs", "4", *engine_args])
+        p, out = start_plain(model, tmp_path)
         rc = p.wait(START_TIMEOUT)
         assert rc == 0, p.tail()
         _PLAIN_CACHE[key] = json.loads(out.read_text())
@@ -146,11 +155,15 @@ def test_oracle_family(name, models_dir, tmp_path, procs):
     dtype = json.loads((model / "config.json").read_text())["torch_dtype"]
     engine_args = ("--dtype", dtype, *args)
     gated = FAMILIES[family_name].gate_on_attention
-    plain = plain_reference(model, tmp_path, engine_args)
+    # The plain reference (used by this case only) runs beside the AFD pair: engine
+    # start-up is mostly one thread each.
+    plain, plain_out = start_plain(model, tmp_path, engine_args)
+    procs.append(plain)
     ffn, [(attn, out)] = run_afd(procs, tmp_path, model, engine_args=engine_args,
                                  extra={"compute_gate_on_attention": gated})
+    assert plain.wait(START_TIMEOUT) == 0, plain.tail()
     assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
-    worst = assert_matches(plain, json.loads(out.read_text()))
+    worst = assert_matches(json.loads(plain_out.read_text()), json.loads(out.read_text()))
     if gated:
         assert f"router of {moe_layers} MoE layer(s) runs on the attention role" \
             in attn.text(), attn.tail()
