@@ -90,8 +90,11 @@ test-oracle: models ## the CPU oracle alone (AFD == plain vLLM); per target: VLL
 # between targets beyond what its other cases start: the FFN group's 4A2F case (2A2F
 # runs), its DBO refusal (overlay logic), the attention-first start order (overlay retry
 # logic), and the wrong-topology handshake (the same refusal path as the mismatched
-# layer count, which runs).
-TARGET_DESELECT = --deselect "tests/cpu/test_afd_oracle.py::test_oracle_ffn_group[deepseek_v2-4A2F]" \
+# layer count, which runs). The ten model families' cases (test_oracle_family, about 6.5
+# min here) run on the primary pin in CI; on this target they run with `make test-oracle
+# VLLM_VERSION=0.32.0` (docs/models.md says when they last passed).
+TARGET_DESELECT = --deselect tests/cpu/test_afd_oracle.py::test_oracle_family \
+	--deselect "tests/cpu/test_afd_oracle.py::test_oracle_ffn_group[deepseek_v2-4A2F]" \
 	--deselect tests/cpu/test_afd_oracle.py::test_ffn_group_refuses_micro_batched_steps \
 	--deselect tests/cpu/test_afd_oracle.py::test_oracle_attention_started_first \
 	--deselect tests/cpu/test_afd_oracle.py::test_wrong_topology_ends_both
