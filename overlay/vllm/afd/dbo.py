@@ -115,15 +115,10 @@ _min_tokens = 0
 
 def moe_shape(hf_config: Any) -> tuple[int, int]:
     """(routed experts, experts per token) of a model config; (1, 1) for a dense MLP."""
+    from vllm.afd.model_split import routed_experts
+
     text = getattr(hf_config, "text_config", None) or hf_config
-    experts = next(
-        (
-            getattr(text, k)
-            for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
-            if getattr(text, k, None)
-        ),
-        0,
-    )
+    experts = routed_experts(text)
     top_k = next(
         (
             getattr(text, k)

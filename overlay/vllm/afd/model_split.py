@@ -315,14 +315,18 @@ def post_load(vllm_config, model: nn.Module, model_config, target_device) -> boo
     return True
 
 
-def router_logits_width(vllm_config) -> int | None:
-    """Number of routed experts (the width of the router logits), if any."""
-    hf = vllm_config.model_config.hf_text_config
+def routed_experts(hf_text_config) -> int | None:
+    """Number of routed experts of a (text) model config, if any."""
     for key in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"):
-        value = getattr(hf, key, None)
+        value = getattr(hf_text_config, key, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def router_logits_width(vllm_config) -> int | None:
+    """Number of routed experts (the width of the router logits), if any."""
+    return routed_experts(vllm_config.model_config.hf_text_config)
 
 
 # Config keys of the FFN blocks' shape and routing (those a model has are compared).

@@ -56,10 +56,6 @@ if triton is not None:
         tl.store(ctr_ptr, c)
 
 
-def available() -> bool:
-    return triton is not None
-
-
 def require() -> None:
     if triton is None:
         raise RuntimeError("AFD cuda_ipc connector needs triton")
