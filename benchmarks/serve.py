@@ -113,11 +113,14 @@ def servers_for(a, mode: str, work: Path) -> list[su.Server]:
     ones the client talks to come first in the returned list."""
     servers: list[su.Server] = []
     try:
+        plain_extra = shlex.split(a.plain_args or "")
         if mode == "plain":
-            servers.append(start(a, "plain", work, env=server_env(a, a.attention_gpu, None)))
+            servers.append(start(a, "plain", work, env=server_env(a, a.attention_gpu, None),
+                                 extra=plain_extra))
         elif mode == "plain_x2":
             for i, gpu in enumerate((a.attention_gpu, a.ffn_gpu)):
-                servers.append(start(a, f"plain_x2_{i}", work, env=server_env(a, gpu, None)))
+                servers.append(start(a, f"plain_x2_{i}", work, env=server_env(a, gpu, None),
+                                     extra=plain_extra))
         else:
             cfg = dict(port=su.free_port(), connector=a.connector, timeout_s=a.afd_timeout)
             if a.connector_extra:
@@ -217,6 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "string (e.g. \"--dtype bfloat16 --max-num-seqs 64\")")
     p.add_argument("--attention-args", help="more flags for the AFD attention server only "
                    "(e.g. \"--dbo-decode-token-threshold 8\")")
+    p.add_argument("--plain-args", help="more flags for the plain servers only (plain, "
+                   "plain_x2): with --attention-args, each side gets its own best flags, e.g. "
+                   "plain with vLLM's defaults beside AFD with FULL_DECODE_ONLY graphs")
     p.add_argument("--routing", choices=["model", "balanced"], default="model",
                    help="MoE routing of every server: the checkpoint's router or afd_balanced")
     p.add_argument("--connector", default="gloo")
@@ -262,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {a.model} ({a.load_format}), device {a.device}, {a.num_prompts} requests "
           f"of {a.input_len} + {a.output_len} tokens per server, connector {a.connector}, "
           f"routing {a.routing}; GPU sharing: {'MPS' if a.mps else 'time-sliced (no MPS)'}; "
-          f"serve args: {a.serve_args or '-'}", flush=True)
+          f"serve args: {a.serve_args or '-'}; plain only: {a.plain_args or '-'}; AFD "
+          f"attention only: {a.attention_args or '-'}", flush=True)
     for note in (su.shared_gpu_note(a.device, a.modes, a.attention_gpu, a.ffn_gpu, a.mps),
                  su.dummy_routing_note(a.load_format, [a.routing])):
         if note:
