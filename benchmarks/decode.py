@@ -197,10 +197,25 @@ def run_ffn(a) -> int:
             print(f"FFN failed: {runner.error}", file=sys.stderr, flush=True)
             os._exit(3)
     runner.stop()
+    # The share of FFN passes that joined several attention ranks (M:N's gain comes from
+    # those: one read of the experts for all of them); measure() reads this line.
+    print(f"{FFN_STATS} " + json.dumps({"steps_served": runner.steps_served,
+                                        "batched_steps": runner.batched_steps,
+                                        "split_steps": runner.split_steps}), flush=True)
     os._exit(0)
 
 
 # ------------------------------------------------------------------ driver
+FFN_STATS = "AFD-FFN-STATS"
+
+
+def ffn_stats(log: Path) -> dict | None:
+    """The FFN child's pass counters (its last AFD-FFN-STATS line), None if it wrote none."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines()
+             if ln.startswith(FFN_STATS + " ")]
+    return json.loads(lines[-1].split(" ", 1)[1]) if lines else None
+
+
 def child(a, role: str, extra: list[str], env: dict, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--_role", role, *extra]
     fh = open(log, "w")
@@ -248,6 +263,9 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
                 ffn.wait(30)
             except subprocess.TimeoutExpired:
                 ffn.kill()
+            if (stats := ffn_stats(work / f"{tag}_ffn.log")) is not None and afd:
+                print(f"  {tag}: FFN passes {stats['steps_served']}, of them joining several "
+                      f"attention ranks {stats['batched_steps']}", flush=True)
 
 
 def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,

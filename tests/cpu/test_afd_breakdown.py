@@ -4,6 +4,7 @@ are recorded and parsed into the per-layer breakdown (benchmarks/breakdown.py)."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,8 @@ def test_decode_breakdown_of_profiled_steps(models_dir, tmp_path, mode):
     assert bd["same_windows"] and f["step"] == pytest.approx(a["step"])
     assert c["bound"] == pytest.approx(max(a["attention"], f["compute"]) + a["send"] + f["send"])
     assert "per-layer breakdown" in p.stdout and "over the bound" in p.stdout, p.stdout[-2000:]
+    # The FFN rank's pass counters (decode.py reads them from its child at exit): one
+    # attention rank, so no pass joins several, and every timed and profiled step was served.
+    m = re.search(r"FFN passes (\d+), of them joining several attention ranks (\d+)", p.stdout)
+    assert m, p.stdout[-2000:]
+    assert int(m.group(1)) >= 8 + STEPS and int(m.group(2)) == 0
