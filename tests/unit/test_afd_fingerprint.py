@@ -264,7 +264,7 @@ def build_blocks(split, monkeypatch, role: str, classes: dict[int, type]) -> Non
     """What a model's constructor does: one afd_ffn_module call per layer."""
     from vllm.config.afd import AFDConfig
 
-    monkeypatch.setattr(split, "get_afd_config", lambda *a: AFDConfig.from_dict({"role": role}))
+    monkeypatch.setattr(split, "afd_config", lambda *a: AFDConfig.from_dict({"role": role}))
     monkeypatch.setattr(split.STATE, "real_device", None)
     monkeypatch.setattr(split.STATE, "ffn_modules", {})
     monkeypatch.setattr(split, "_build_remote", lambda cls, *a: None)  # no op registration

@@ -125,25 +125,25 @@ def test_watchdog_skips_the_device_probe_during_graph_captures():
     H200), so it only checks the socket meanwhile."""
     import socket
 
-    from vllm.afd import attention
+    from vllm.afd import roles
 
     conn = create_attention_connector(_ctx(role="attention"))
     conn.sock, other = socket.socketpair()
     reads = []
 
     def read():
-        reads.append(attention._captures)
+        reads.append(roles._captures)
         return 5
 
     conn._read_error_word = read
     try:
-        with attention.graph_capture_guard():
+        with roles.graph_capture_guard():
             assert conn._probe() is None and reads == []
-            assert attention.unless_capturing(lambda: 1) is None
+            assert roles.unless_capturing(lambda: 1) is None
         assert "did not answer within the timeout" in conn._probe()
         assert "layer message 5" in conn._probe() and reads == [0, 0]
         other.close()  # a closed peer is still seen during a capture
-        with attention.graph_capture_guard():
+        with roles.graph_capture_guard():
             assert "connection closed" in conn._probe()
     finally:
         conn.sock.close()

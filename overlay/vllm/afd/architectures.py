@@ -256,3 +256,12 @@ def check_model(model_config, gate_on_attention: bool) -> str | None:
     architecture = model_config.architecture
     model_class = resolve_model_class(model_config.registry, architecture)
     return check(architecture, model_class, gate_on_attention, running_line())
+
+
+def routed_experts(hf_text_config) -> int | None:
+    """Number of routed experts of a (text) model config, if any."""
+    for key in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"):
+        value = getattr(hf_text_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -11,16 +11,17 @@ FFN side mirrors them without any special case.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 
-from vllm.afd import failure, metrics
+from vllm.afd import dbo, failure, metrics
 from vllm.afd.protocol import AFDPeerError
+from vllm.afd.roles import afd_config
+from vllm.afd.roles import graph_capture_guard as graph_capture_guard  # patch 0013 imports it here
+from vllm.distributed.afd.base import ConnectorContext, create_attention_connector
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -50,11 +51,11 @@ class AttentionClient:
         self.first = min(self.layers)
         self.last = max(self.layers)
 
-    def connect(self, vllm_config) -> None:
-        from vllm.afd.model_split import ffn_fingerprint, get_afd_config, router_logits_width
-        from vllm.distributed.afd.base import ConnectorContext, create_attention_connector
-
-        cfg = get_afd_config(vllm_config)
+    def connect(self, vllm_config, fingerprint: dict, num_router_logits: int | None) -> None:
+        """Reach the FFN rank. ``fingerprint``: what both roles must agree on (of
+        the registered layers), ``num_router_logits``: the router width (see
+        vllm.afd.model_split, which builds both)."""
+        cfg = afd_config(vllm_config)
         if self.connector is not None:
             return
         rank = cfg.resolved_rank(vllm_config.parallel_config.data_parallel_rank)
@@ -62,10 +63,10 @@ class AttentionClient:
         ctx = ConnectorContext(
             config=cfg,
             rank=rank,
-            fingerprint=ffn_fingerprint(vllm_config, self.layers),
+            fingerprint=fingerprint,
             max_num_tokens=int(vllm_config.scheduler_config.max_num_batched_tokens),
             device=vllm_config.device_config.device,
-            num_router_logits=router_logits_width(vllm_config),
+            num_router_logits=num_router_logits,
         )
         connector = create_attention_connector(ctx)
         metrics.STATS.start("attention", rank, self.peers)
@@ -77,8 +78,6 @@ class AttentionClient:
             raise
         self.connector = connector
         atexit.register(self.close)
-        from vllm.afd import dbo
-
         dbo.watch_ubatch_threads(vllm_config, rank)
         dbo.configure(vllm_config, connector.shares_device())
 
@@ -108,8 +107,6 @@ class AttentionClient:
                 self._transfer = self._wait = 0.0
                 self._bytes_out = self._bytes_in = 0
             if nub:
-                from vllm.afd import dbo
-
                 conn.begin_step(
                     self.step_id, x.shape[0], ubatch=(ub, nub),
                     ubatch_tokens=dbo.step_ubatch_tokens(),
@@ -198,41 +195,14 @@ def _install_step_metadata(meta: AFDStepMetadata) -> None:
 
 CLIENT = AttentionClient()
 
-# CUDA graph captures in progress in this process (see graph_capture_guard).
-_captures = 0
-_captures_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def graph_capture_guard():
-    """Around the model runner's graph captures (the worker calls it): vLLM
-    captures in CUDA's global mode, where a synchronising CUDA call of any other
-    thread - the cuda_ipc watchdog's probe of the device error word - makes the
-    capture fail. The watchdog skips that probe meanwhile (socket checks go on)."""
-    global _captures
-    with _captures_lock:
-        _captures += 1
-    try:
-        yield
-    finally:
-        with _captures_lock:
-            _captures -= 1
-
-
-def unless_capturing(fn):
-    """``fn()``, or None while a graph capture is in progress; a capture waits
-    for a running ``fn`` to return before it starts."""
-    with _captures_lock:
-        return None if _captures else fn()
-
 
 def register_remote_layer(layer_idx: int, gated: bool = False) -> None:
     _register_op()
     CLIENT.register(layer_idx, gated)
 
 
-def connect(vllm_config) -> None:
-    CLIENT.connect(vllm_config)
+def connect(vllm_config, fingerprint: dict, num_router_logits: int | None) -> None:
+    CLIENT.connect(vllm_config, fingerprint, num_router_logits)
 
 
 def _afd_remote_ffn(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from vllm.afd import failure
+from vllm.afd.architectures import routed_experts
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -73,8 +75,6 @@ def watch_ubatch_threads(vllm_config: Any, rank: int) -> bool:
             return
         msg = f"DBO micro-batch thread failed: {args.exc_type.__name__}: {args.exc_value}"
         logger.error("AFD: %s; ending the engine (the other micro-batch cannot go on)", msg)
-        from vllm.afd import failure
-
         failure.record("attention", rank, msg)
         (on_ubatch_failure or failure.exit_now)(msg)
 
@@ -115,8 +115,6 @@ _min_tokens = 0
 
 def moe_shape(hf_config: Any) -> tuple[int, int]:
     """(routed experts, experts per token) of a model config; (1, 1) for a dense MLP."""
-    from vllm.afd.model_split import routed_experts
-
     text = getattr(hf_config, "text_config", None) or hf_config
     experts = routed_experts(text)
     top_k = next(

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import queue
 
+from vllm.afd import failure
+from vllm.afd.attention import CLIENT
+from vllm.afd.roles import is_ffn
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -21,11 +24,6 @@ FFN_REFUSAL = (
     "servers and does not take generation requests. Send requests to the "
     "attention server."
 )
-
-
-def is_ffn_role(vllm_config) -> bool:
-    cfg = getattr(vllm_config, "afd_config", None)
-    return cfg is not None and cfg.is_ffn
 
 
 class _NoStructuredOutput:
@@ -123,8 +121,6 @@ def _exit_worker_on_fatal(worker) -> None:
 def _exit_worker(message: str) -> None:
     import sys
 
-    from vllm.afd import failure
-
     print(f"AFD FFN rank failed: {message}; ending this worker", file=sys.stderr, flush=True)
     failure.exit_now(message)
 
@@ -139,8 +135,6 @@ def worker_profile_hook(worker, is_start: bool) -> bool:
     if cfg.role == "ffn":
         worker.model_runner.request_profile(is_start)
         return True
-    from vllm.afd.attention import CLIENT
-
     if is_start:
         _profile_all_threads(worker)
     CLIENT.profile(is_start)
@@ -187,7 +181,7 @@ def exit_if_engine_died() -> None:
 
 def reject_generation(vllm_config) -> None:
     """Frontend hook: refuse generation on an FFN server with a clear error."""
-    if is_ffn_role(vllm_config):
+    if is_ffn(vllm_config):
         # A client error for every vLLM: 0.26.0 maps ValueError to HTTP 400, while
         # 0.32.0 maps only VLLMClientError (its VLLMValidationError) to a 4xx.
         from vllm.exceptions import VLLMValidationError

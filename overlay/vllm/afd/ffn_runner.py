@@ -19,6 +19,16 @@ import torch
 from torch.profiler import record_function
 
 from vllm.afd import failure, metrics
+from vllm.afd.model_split import (
+    STATE,
+    ffn_fingerprint,
+    is_routed_moe,
+    router_logits_width,
+    router_name,
+)
+from vllm.afd.protocol import MSG_STEP, AFDPeerError, ubatch_of
+from vllm.afd.roles import afd_config
+from vllm.distributed.afd.base import ConnectorContext, StepPeer, create_ffn_connector
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -53,8 +63,6 @@ class _GivenRouterLogits(torch.nn.Module):
     this module for the duration of one call."""
 
     def __init__(self, block: torch.nn.Module):
-        from vllm.afd.model_split import router_name
-
         super().__init__()
         self.name = router_name(block)  # "gate", or "router" (GPT-OSS, Llama 4)
         gate = getattr(block, self.name)
@@ -106,12 +114,10 @@ class _LogitsStub(torch.nn.Module):
 
 class FFNModelRunner:
     def __init__(self, vllm_config, device: torch.device):
-        from vllm.afd.model_split import get_afd_config
-
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.device = device
-        self.afd_config = get_afd_config(vllm_config)
+        self.afd_config = afd_config(vllm_config)
         self.dtype = self.model_config.dtype
         self.hidden_size = self.model_config.get_hidden_size()
         # The most tokens one pass runs; the steps that came together beyond it wait
@@ -146,7 +152,6 @@ class FFNModelRunner:
 
     # -- vLLM worker interface --------------------------------------------
     def load_model(self, load_dummy_weights: bool = False, **kwargs) -> None:
-        from vllm.afd.model_split import STATE
         from vllm.model_executor.model_loader import get_model_loader
 
         t0 = time.perf_counter()
@@ -157,8 +162,6 @@ class FFNModelRunner:
         self.model = loader.load_model(vllm_config=self.vllm_config, model_config=self.model_config)
         self.modules = dict(sorted(STATE.ffn_modules.items()))
         if self.afd_config.compute_gate_on_attention:
-            from vllm.afd.model_split import is_routed_moe
-
             self.gates = {
                 i: _GivenRouterLogits(m) for i, m in self.modules.items() if is_routed_moe(m)
             }
@@ -200,9 +203,6 @@ class FFNModelRunner:
 
     # -- serving -------------------------------------------------------------
     def start_serving(self) -> None:
-        from vllm.afd.model_split import ffn_fingerprint, router_logits_width
-        from vllm.distributed.afd.base import ConnectorContext, create_ffn_connector
-
         cfg = self.afd_config
         rank = cfg.resolved_rank(self.vllm_config.parallel_config.data_parallel_rank)
         # An FFN group: one FFN server of num_ffn_ranks tensor-parallel workers
@@ -310,8 +310,6 @@ class FFNModelRunner:
         ranks, the members agree on the step (an all-gather of their token
         counts over the group's CPU channel), and if any has tokens they all
         run it, each contributing its rows (possibly none)."""
-        from vllm.afd.protocol import AFDPeerError
-
         active = time.monotonic() - self._group_last_step < self.GROUP_ACTIVE_S
         if self._pending:  # steps held back from the last pass come first
             ready = self._one_pass([])
@@ -372,8 +370,6 @@ class FFNModelRunner:
     def _agree(self, ready, waiting: bool) -> list[torch.Tensor]:
         """All-gather (tokens, micro-batched steps, waiting for a step) of every
         member over the group's CPU channel."""
-        from vllm.afd.protocol import ubatch_of
-
         ubatched = sum(1 for p in ready if ubatch_of(p.control.flags)[1])
         mine = torch.tensor(
             [sum(p.control.num_tokens for p in ready), ubatched, int(waiting)], dtype=torch.int64
@@ -412,8 +408,6 @@ class FFNModelRunner:
         return transfer, compute
 
     def _run_step(self, ready) -> None:
-        from vllm.afd.protocol import ubatch_of
-
         # Micro-batched (DBO) steps are served on their own, layer by layer
         # alternating between the micro-batches; the others share one pass.
         ubatched = [p for p in ready if ubatch_of(p.control.flags)[1]]
@@ -534,8 +528,6 @@ class FFNModelRunner:
         message announces every micro-batch (``ubatch_controls_upfront``, the
         device channel of cuda_ipc) gives them all at once, so the whole step
         can run as one FFN CUDA graph."""
-        from vllm.afd.protocol import AFDPeerError, ubatch_of
-
         index, count = ubatch_of(first.control.flags)
         if index != 0:
             raise AFDPeerError(
@@ -558,9 +550,6 @@ class FFNModelRunner:
             self._maybe_capture(key, total, lambda: self._ubatched_body(first, peers, count, True))
 
     def _next_ubatch(self, first, i: int, count: int):
-        from vllm.afd.protocol import MSG_STEP, AFDPeerError, ubatch_of
-        from vllm.distributed.afd.base import StepPeer
-
         ctrl = self.connector.recv_control(first)
         if (
             ctrl.type != MSG_STEP

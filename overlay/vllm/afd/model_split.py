@@ -25,8 +25,11 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from vllm.afd import architectures
-from vllm.config.afd import AFDConfig
+from vllm.afd import architectures, attention, routing
+from vllm.afd.architectures import routed_experts
+from vllm.afd.checkpoint import checkpoint_identity
+from vllm.afd.protocol import PROTOCOL_VERSION
+from vllm.afd.roles import afd_config, current_vllm_config
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -44,18 +47,6 @@ class AFDModelState:
 
 
 STATE = AFDModelState()
-
-
-def get_current_vllm_config():
-    from vllm.config import get_current_vllm_config_or_none
-
-    return get_current_vllm_config_or_none()
-
-
-def get_afd_config(vllm_config=None) -> AFDConfig | None:
-    if vllm_config is None:
-        vllm_config = get_current_vllm_config()
-    return getattr(vllm_config, "afd_config", None) if vllm_config is not None else None
 
 
 def _layer_index(prefix: str) -> int:
@@ -184,8 +175,6 @@ def _detach_remote_children(vllm_config, model: nn.Module) -> None:
 
 
 def _build_remote(cls, args, kwargs, prefix: str, layer_idx: int, cfg) -> nn.Module:
-    from vllm.afd import attention  # registers the op
-
     with META:
         module = cls(*args, **kwargs)
     router = router_name(module)
@@ -197,7 +186,7 @@ def _build_remote(cls, args, kwargs, prefix: str, layer_idx: int, cfg) -> nn.Mod
     module.afd_layer_idx = layer_idx
     module.afd_prefix = prefix
     module.afd_gate_on_attention = gated
-    family = architectures.model_family(get_current_vllm_config().model_config)
+    family = architectures.model_family(current_vllm_config().model_config)
     module.afd_router = router
     module.afd_router_dtype = router_input_dtype(family) if gated else None
     module.afd_layer_names = family.layer_checkpoint_names if family is not None else ()
@@ -207,7 +196,7 @@ def _build_remote(cls, args, kwargs, prefix: str, layer_idx: int, cfg) -> nn.Mod
 
 def afd_ffn_module(cls):
     """Return a constructor for the FFN block ``cls`` that honours the AFD role."""
-    cfg = get_afd_config()
+    cfg = afd_config()
     if cfg is None:
         return cls
 
@@ -231,10 +220,8 @@ def afd_ffn_module(cls):
 def construction_device(vllm_config, target_device: torch.device):
     """Device to construct the model on: ``meta`` for the FFN role (whose FFN
     blocks are then built on ``target_device`` by :func:`afd_ffn_module`)."""
-    from vllm.afd import routing
-
     routing.register()  # benchmark routing strategy, available to both roles and plain vLLM
-    cfg = get_afd_config(vllm_config)
+    cfg = afd_config(vllm_config)
     STATE.real_device = target_device
     STATE.block_classes.clear()
     if cfg is None or not cfg.is_ffn:
@@ -289,7 +276,7 @@ def filter_weights(
 def post_load(vllm_config, model: nn.Module, model_config, target_device) -> bool:
     """Run post-load processing for the role. Returns False when AFD does not
     apply (the caller then runs vLLM's normal processing)."""
-    cfg = get_afd_config(vllm_config)
+    cfg = afd_config(vllm_config)
     if cfg is None:
         return False
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -309,19 +296,10 @@ def post_load(vllm_config, model: nn.Module, model_config, target_device) -> boo
     gated = sum(m.afd_gate_on_attention for m in remote)
     if gated:
         logger.info("AFD: router of %d MoE layer(s) runs on the attention role", gated)
-    from vllm.afd import attention
-
-    attention.connect(vllm_config)
+    layers = [m.afd_layer_idx for m in remote]
+    attention.connect(vllm_config, ffn_fingerprint(vllm_config, layers),
+                      router_logits_width(vllm_config))  # fmt: skip
     return True
-
-
-def routed_experts(hf_text_config) -> int | None:
-    """Number of routed experts of a (text) model config, if any."""
-    for key in ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"):
-        value = getattr(hf_text_config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def router_logits_width(vllm_config) -> int | None:
@@ -389,10 +367,7 @@ def ffn_block_map(layers: list[int], classes: dict[int, str]) -> str:
 
 def ffn_fingerprint(vllm_config, ffn_layers: list[int]) -> dict:
     """What both roles must agree on (see vllm.afd.protocol.FINGERPRINT_KEYS)."""
-    from vllm.afd.checkpoint import checkpoint_identity
-    from vllm.afd.protocol import PROTOCOL_VERSION
-
-    cfg = get_afd_config(vllm_config)
+    cfg = afd_config(vllm_config)
     model_config = vllm_config.model_config
     hf = model_config.hf_text_config
     try:

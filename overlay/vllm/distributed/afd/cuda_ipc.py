@@ -73,6 +73,7 @@ from vllm.afd.protocol import (
     ubatch_of,
     unpack_hello_preamble,
 )
+from vllm.afd.roles import unless_capturing
 from vllm.config.afd import IPC_MAX_UBATCHES
 from vllm.distributed.afd import ipc_kernels as kernels
 from vllm.distributed.afd.base import ConnectorContext, StepPeer, register_connector
@@ -533,8 +534,6 @@ class IPCAttentionConnector(TCPAttentionConnector):
         lost = socket_lost(sock)
         if lost is not None:
             return None if self.sock is None else f"lost AFD peer {self.peer}: {lost}"
-        from vllm.afd.attention import unless_capturing
-
         # A synchronising call during a capture would make it fail (global mode).
         seq = unless_capturing(self._read_error_word)
         if seq:
