@@ -324,6 +324,35 @@ MODELS: dict[str, tuple[dict, str]] = {
         ),
         "bfloat16",
     ),
+    # DeepSeek-V2 as the released configs have it (issue 20): a low-rank query (q LoRA),
+    # group-limited routing (16 experts in 4 groups, a token's top-4 from its best 2
+    # groups: 8 candidates, so the group limit changes the choice), two dense first layers,
+    # two shared experts and a routed scaling factor. MLA shapes the GPU backends accept
+    # (as deepseek_v2_mla); the CPU runs it without MLA (head size 192) in float32, with
+    # YaRN rope as deepseek_v2 needs there. bfloat16 keeps the file small (about 13 MB).
+    "deepseek_v2_qlora": (
+        dict(
+            _DEEPSEEK_V2,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            q_lora_rank=64,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            first_k_dense_replace=2,
+            n_routed_experts=16,
+            num_experts_per_tok=4,
+            n_shared_experts=2,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            rope_parameters=_DEEPSEEK_YARN,
+        ),
+        "bfloat16",
+    ),
     **{name: (spec, _FAMILY_DTYPES.get(name, "float32")) for name, spec in _FAMILIES.items()},
 }
 

@@ -48,7 +48,7 @@ def engine_kwargs(args) -> dict:
     if args.enable_dbo:
         kw["enable_dbo"] = True
         kw["dbo_decode_token_threshold"] = args.dbo_threshold
-        kw["dbo_prefill_token_threshold"] = args.dbo_threshold
+        kw["dbo_prefill_token_threshold"] = args.dbo_prefill_threshold or args.dbo_threshold
         if "afd_config" in kw:
             # The oracle checks micro-batched steps: split from the threshold on, also
             # where AFD's cost floor (dbo_min_tokens "auto") would keep them whole.
@@ -144,6 +144,8 @@ def main() -> int:
     p.add_argument("--enable-dbo", action="store_true", help="two micro-batches per step")
     p.add_argument("--dbo-threshold", type=int, default=2,
                    help="decode and prefill token threshold for micro-batches with --enable-dbo")
+    p.add_argument("--dbo-prefill-threshold", type=int, default=None,
+                   help="prefill token threshold for micro-batches (default: --dbo-threshold)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--mamba-ssm-cache-dtype", default=None,
                    help="dtype of a hybrid model's recurrent state (Qwen3-Next on the CPU: float32)")

@@ -385,3 +385,61 @@ def test_no_attention_within_timeout(models_dir, tmp_path, procs):
     procs.append(ffn)
     assert ffn.wait(START_TIMEOUT) == 3
     assert "did not connect within timeout_s=3" in ffn.text(), ffn.tail()
+
+
+# Issue 20's DeepSeek-V2 case: q LoRA, group-limited routing, two dense first layers, a
+# routed scaling factor; 12 prompts of 1 to 311 tokens at once (prefill chunks beside
+# decodes, every step a different mix), 32 greedy tokens each.
+QLORA_LENGTHS = [1, 2, 5, 11, 23, 40, 64, 97, 131, 180, 242, 311]
+QLORA_ENGINE = ("--max-num-seqs", "12")
+QLORA_DBO = ("--enable-dbo", "--dbo-threshold", "2", "--dbo-prefill-threshold", "12")
+
+
+def qlora_prompts(vocab: int = 600, first: int = 5) -> dict:
+    """The prompts as token ids (a fixed sequence, no special tokens): exact lengths."""
+    x, prompts = 20261204, []
+    for n in QLORA_LENGTHS:
+        ids = []
+        for _ in range(n):
+            x = (x * 1103515245 + 12345) % (1 << 31)
+            ids.append(first + x % (vocab - first))
+        prompts.append({"prompt_token_ids": ids})
+    return {"prompts": prompts, "max_tokens": [32] * len(QLORA_LENGTHS)}
+
+
+def test_oracle_dbo_grouped_routing_q_lora(models_dir, tmp_path, procs):
+    """One FFN server serves an attention rank with DBO (decode threshold 2, prefill 12),
+    then one without; both equal plain vLLM on the deepseek_v2_qlora checkpoint (fp32)."""
+    model = models_dir / "deepseek_v2_qlora"
+    spec = qlora_prompts()
+    for sub in ("plain", "dbo", "serial"):
+        (tmp_path / sub).mkdir()
+    plain = AfdProc("plain", model, tmp_path / "plain.log",
+                    ["--prompts", str(write_prompts(tmp_path / "plain", spec)),
+                     "--out", str(tmp_path / "plain.json"), *QLORA_ENGINE])
+    procs.append(plain)
+    port = free_port()
+    ffn = AfdProc("ffn", model, tmp_path / "ffn.log", ["--afd", afd_json("ffn", port)])
+    procs.append(ffn)
+
+    def attention(tag: str, args: tuple[str, ...]) -> dict:
+        p = AfdProc("attention", model, tmp_path / f"attn_{tag}.log",
+                    ["--afd", afd_json("attention", port),
+                     "--prompts", str(write_prompts(tmp_path / tag, spec)),
+                     "--out", str(tmp_path / f"{tag}.json"), *QLORA_ENGINE, *args])
+        procs.append(p)
+        assert p.wait(START_TIMEOUT) == 0, p.tail() + "\n--- ffn ---\n" + ffn.tail()
+        return json.loads((tmp_path / f"{tag}.json").read_text())
+
+    dbo = attention("dbo", QLORA_DBO)
+    assert plain.wait(START_TIMEOUT) == 0, plain.tail()
+    ref = json.loads((tmp_path / "plain.json").read_text())
+    dbo_text = (tmp_path / "attn_dbo.log").read_text()
+    assert "DBO on, 2 micro-batches per step from 2 decode / 12 prefill tokens" in dbo_text
+    worst_dbo = assert_outputs_match(ref, dbo, spec["max_tokens"], LOGPROB_TOL)
+    worst = assert_outputs_match(ref, attention("serial", ()), spec["max_tokens"], LOGPROB_TOL)
+    counts = ffn_stopped_counts(ffn)
+    # Half of the steps served are the DBO rank's, and nearly all of those are split.
+    assert counts["ubatched"] > counts["steps"] // 4, counts
+    print(f"deepseek_v2_qlora: tokens identical with DBO (max |logprob diff| {worst_dbo:.2e}) "
+          f"and without ({worst:.2e}), {counts}")
