@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from vllm.afd import dbo, failure, metrics
+from vllm.afd import dbo, failure, metrics, ubatch_compat
 from vllm.afd.protocol import AFDPeerError
 from vllm.afd.roles import afd_config
 from vllm.afd.roles import graph_capture_guard as graph_capture_guard  # patch 0013 imports it here
@@ -173,17 +173,11 @@ class AttentionClient:
 
 def _ubatch() -> tuple[int, int]:
     """(index, count) of the micro-batch this thread runs; (0, 0) outside DBO."""
-    from vllm.v1.worker import ubatching
-
-    if not ubatching.dbo_enabled():
-        return 0, 0
-    return ubatching.dbo_current_ubatch_id(), ubatching._NUM_UBATCHES
+    return dbo.current_ubatch()
 
 
 def _dbo_yield() -> None:
-    from vllm.v1.worker.ubatching import dbo_yield
-
-    dbo_yield()
+    ubatch_compat.yield_turn()
 
 
 def _install_step_metadata(meta: AFDStepMetadata) -> None:

@@ -12,11 +12,14 @@ layer meanwhile, sends and yields back, and so on. The FFN rank therefore
 serves the two micro-batches alternately, layer by layer (see
 ``vllm.afd.ffn_runner``), while the attention computes the other one.
 
-On CUDA vLLM's own ``UBatchWrapper`` runs the threads (streams, graphs; it
+On CUDA vLLM's own micro-batch runner runs the threads (streams, graphs; it
 is told the token counts of the step's micro-batches, :func:`note_ubatch_tokens`,
-which the cuda_ipc connector announces in micro-batch 0's control message); the
-CPU has no streams, so :class:`CPUUBatchWrapper` runs them with the same
-hand-over (vLLM's ``UBatchContext`` with the stream work left out).
+which the cuda_ipc connector announces in micro-batch 0's control message):
+model runner V1's ``UBatchWrapper`` (patch 0012, vLLM <= 0.33.0) or model runner
+V2's ``UBatchRunner`` (:mod:`vllm.afd.dbo_v2`, the only runner from vLLM 0.34.0
+on). The CPU has no streams, so :class:`CPUUBatchWrapper` runs them with the same
+hand-over (vLLM's ``UBatchContext`` with the stream work left out; model runner
+V1 only). Where upstream's names differ between lines: :mod:`vllm.afd.ubatch_compat`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from vllm.afd import failure
+from vllm.afd import failure, ubatch_compat
 from vllm.afd.architectures import routed_experts
 from vllm.logger import init_logger
 
@@ -48,22 +51,46 @@ def step_ubatch_tokens() -> list[int] | None:
     return None if _step_tokens is None else list(_step_tokens)
 
 
-# Called with the failure message when a micro-batch thread of vLLM's CUDA
-# UBatchWrapper raised; the default ends the process. Tests replace it.
+def current_ubatch() -> tuple[int, int]:
+    """(index, count) of the micro-batch the calling thread runs; (0, 0) outside DBO."""
+    index = ubatch_compat.ubatch_id()
+    if index is None:
+        return 0, 0
+    if _step_tokens is None:
+        raise RuntimeError(
+            "AFD DBO: a micro-batch thread runs but its runner did not call "
+            "vllm.afd.dbo.note_ubatch_tokens (an AFD hook patch is missing)"
+        )
+    return index, len(_step_tokens)
+
+
+# Called with the failure message when a micro-batch of vLLM's CUDA micro-batch
+# runner raised; the default ends the process. Tests replace it.
 on_ubatch_failure = None
 _hook_installed = False
+_rank = 0
+
+
+def ubatch_failed(msg: str) -> None:
+    """A micro-batch of a CUDA DBO step failed: the other one waits for a hand-over
+    that never comes (vLLM's micro-batch threads have no error path), and the step
+    would end only at the connector's timeout, reported as a silent FFN peer. Record
+    the real error for the engine-death message and end the process at once."""
+    logger.error("AFD: %s; ending the engine (the other micro-batch cannot go on)", msg)
+    failure.record("attention", _rank, msg)
+    (on_ubatch_failure or failure.exit_now)(msg)
 
 
 def watch_ubatch_threads(vllm_config: Any, rank: int) -> bool:
-    """CUDA DBO: vLLM's micro-batch threads have no error path - when one raises
-    (say inside an attention kernel), the other waits for a hand-over that never
-    comes, and the step would end only at the connector's timeout, reported as a
-    silent FFN peer. A thread exception hook records the real error for the
-    engine-death message and ends the process at once. True when installed."""
-    global _hook_installed
+    """CUDA DBO: a failed micro-batch ends the engine (:func:`ubatch_failed`, which
+    reports as ``rank``). Model runner V2's micro-batch threads catch their errors
+    and :mod:`vllm.afd.dbo_v2` reports them; model runner V1's let them escape, to
+    a thread exception hook installed here. True when the hook is installed."""
+    global _hook_installed, _rank
     device = getattr(getattr(vllm_config, "device_config", None), "device", None)
     if not enabled(vllm_config) or getattr(device, "type", None) != "cuda":
         return False
+    _rank = rank
     if _hook_installed:
         return True
     previous = threading.excepthook
@@ -71,12 +98,9 @@ def watch_ubatch_threads(vllm_config: Any, rank: int) -> bool:
     def hook(args) -> None:
         previous(args)  # the traceback, as usual
         name = getattr(args.thread, "name", "") or ""
-        if "_ubatch_thread" not in name:  # vLLM's (_capture)_ubatch_thread targets
+        if "_ubatch_thread" not in name:  # V1's (_capture)_ubatch_thread targets
             return
-        msg = f"DBO micro-batch thread failed: {args.exc_type.__name__}: {args.exc_value}"
-        logger.error("AFD: %s; ending the engine (the other micro-batch cannot go on)", msg)
-        failure.record("attention", rank, msg)
-        (on_ubatch_failure or failure.exit_now)(msg)
+        ubatch_failed(f"DBO micro-batch thread failed: {args.exc_type.__name__}: {args.exc_value}")
 
     threading.excepthook = hook
     _hook_installed = True
@@ -271,10 +295,7 @@ def _context_class():
             self.cpu_wait_event.clear()
 
         def __enter__(self):
-            from vllm.v1.worker import ubatching
-
-            ubatching._THREAD_ID_TO_CONTEXT[threading.get_ident()] = self.id
-            ubatching._CURRENT_CONTEXTS[self.id] = self
+            ubatch_compat.enter_context(self)
             self.ready_barrier.wait()
             self._wait_turn()
             self._restore_context()
@@ -313,8 +334,6 @@ class CPUUBatchWrapper:
 
     def _run(self, fc, slices, kwargs):
         from vllm.forward_context import create_forward_context, override_forward_context
-        from vllm.v1.worker import ubatching
-        from vllm.v1.worker.gpu_ubatch_wrapper import _cat_ubatch_outputs
 
         n = len(slices)
         note_ubatch_tokens(slices)
@@ -346,10 +365,7 @@ class CPUUBatchWrapper:
                 )
             )
             contexts[-1].abort = abort
-        ubatching._NUM_UBATCHES = n
-        current = ubatching._CURRENT_CONTEXTS
-        if len(current) < n:
-            current.extend([None] * (n - len(current)))
+        ubatch_compat.register_contexts(n)
 
         inputs = []
         for s in slices:
@@ -393,4 +409,4 @@ class CPUUBatchWrapper:
         if errors:
             raise errors[0]
         self.ubatched_steps += 1
-        return _cat_ubatch_outputs(results)
+        return ubatch_compat.merge_v1_outputs(results)
