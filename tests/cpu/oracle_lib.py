@@ -72,3 +72,56 @@ def assert_outputs_match_up_to_ties(plain: dict, got: dict, tol: float) -> tuple
                     worst = max(worst, abs(lp - lb[tok]))
     assert worst <= tol, f"max |logprob diff| {worst} > {tol}"
     return worst, ties
+
+
+# Issue 20's workload: 12 prompts of 1 to 311 tokens generated at once (prefill chunks
+# beside decodes, a different mix every step), 32 greedy tokens each.
+MIXED_LENGTHS = [1, 2, 5, 11, 23, 40, 64, 97, 131, 180, 242, 311]
+
+
+def mixed_length_prompts(vocab: int = 600, first: int = 5, max_tokens: int = 32) -> dict:
+    """``MIXED_LENGTHS`` prompts as token ids (a fixed sequence in [first, vocab), no
+    special tokens), so that their lengths are exact on any tokenizer of that size."""
+    x, prompts = 20261204, []
+    for n in MIXED_LENGTHS:
+        ids = []
+        for _ in range(n):
+            x = (x * 1103515245 + 12345) % (1 << 31)
+            ids.append(first + x % (vocab - first))
+        prompts.append({"prompt_token_ids": ids})
+    return {"prompts": prompts, "max_tokens": [max_tokens] * len(MIXED_LENGTHS)}
+
+
+def near_tie_divergences(plain: dict, got: dict, tie_tol: float, tol: float):
+    """Greedy tokens of ``got`` equal plain vLLM's, or else each prompt's first divergence
+    is a near-tie of plain's own top two: ``got`` took plain's second-best token, and
+    plain's best minus second-best logprob is below ``tie_tol``. Up to there, every top-k
+    token present in both has logprobs within ``tol``; after it the contexts differ and
+    the prompt's comparison stops. Returns (divergences as (prompt, position, gap),
+    largest logprob difference, tokens equal before the first divergences)."""
+    assert len(plain["outputs"]) == len(got["outputs"])
+    divergences, worst, equal = [], 0.0, 0
+    for i, (a, b) in enumerate(zip(plain["outputs"], got["outputs"])):
+        assert len(a["token_ids"]) == len(b["token_ids"]), f"prompt {i}: lengths differ"
+        for pos, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"])):
+            la, lb = a["logprobs"][pos], b["logprobs"][pos]
+            if ta != tb:
+                # plain's own token first among equal logprobs (a bf16 tie is exact)
+                ranked = sorted(la.items(), key=lambda kv: (-kv[1], kv[0] != str(ta)))
+                assert len(ranked) >= 2 and ranked[0][0] == str(ta), \
+                    f"prompt {i} pos {pos}: plain's token {ta} is not its top-1 {ranked[:2]}"
+                gap = ranked[0][1] - ranked[1][1]
+                assert ranked[1][0] == str(tb), (
+                    f"prompt {i} pos {pos}: took {tb}, not plain's top-2 {ranked[1][0]} "
+                    f"(plain's top-5 {ranked})")
+                assert gap < tie_tol, (
+                    f"prompt {i} pos {pos}: took plain's top-2, but plain's top two are "
+                    f"{gap:.4f} apart (>= {tie_tol}): not a near-tie")
+                divergences.append((i, pos, gap))
+                break
+            equal += 1
+            for tok, lp in la.items():
+                if tok in lb:
+                    worst = max(worst, abs(lp - lb[tok]))
+    assert worst <= tol, f"max |logprob diff| before the divergences {worst} > {tol}"
+    return divergences, worst, equal

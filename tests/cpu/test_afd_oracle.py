@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from harness import AfdProc, afd_json, cpu_shm_files, ffn_stopped_counts
 from harness import free_afd_port as free_port
-from oracle_lib import PROMPTS, assert_outputs_match, write_prompts
+from oracle_lib import PROMPTS, assert_outputs_match, mixed_length_prompts, write_prompts
 
 from vllm.afd import architectures
 
@@ -388,30 +388,17 @@ def test_no_attention_within_timeout(models_dir, tmp_path, procs):
 
 
 # Issue 20's DeepSeek-V2 case: q LoRA, group-limited routing, two dense first layers, a
-# routed scaling factor; 12 prompts of 1 to 311 tokens at once (prefill chunks beside
-# decodes, every step a different mix), 32 greedy tokens each.
-QLORA_LENGTHS = [1, 2, 5, 11, 23, 40, 64, 97, 131, 180, 242, 311]
+# routed scaling factor; oracle_lib.mixed_length_prompts (12 prompts of 1 to 311 tokens
+# at once, 32 greedy tokens each).
 QLORA_ENGINE = ("--max-num-seqs", "12")
 QLORA_DBO = ("--enable-dbo", "--dbo-threshold", "2", "--dbo-prefill-threshold", "12")
-
-
-def qlora_prompts(vocab: int = 600, first: int = 5) -> dict:
-    """The prompts as token ids (a fixed sequence, no special tokens): exact lengths."""
-    x, prompts = 20261204, []
-    for n in QLORA_LENGTHS:
-        ids = []
-        for _ in range(n):
-            x = (x * 1103515245 + 12345) % (1 << 31)
-            ids.append(first + x % (vocab - first))
-        prompts.append({"prompt_token_ids": ids})
-    return {"prompts": prompts, "max_tokens": [32] * len(QLORA_LENGTHS)}
 
 
 def test_oracle_dbo_grouped_routing_q_lora(models_dir, tmp_path, procs):
     """One FFN server serves an attention rank with DBO (decode threshold 2, prefill 12),
     then one without; both equal plain vLLM on the deepseek_v2_qlora checkpoint (fp32)."""
     model = models_dir / "deepseek_v2_qlora"
-    spec = qlora_prompts()
+    spec = mixed_length_prompts()
     for sub in ("plain", "dbo", "serial"):
         (tmp_path / sub).mkdir()
     plain = AfdProc("plain", model, tmp_path / "plain.log",
