@@ -27,7 +27,10 @@ FFN role
 On a GPU the figures come from the device timeline when the trace has one (kernels and
 copies, CUDA graphs included): the cuda_ipc connector's wait kernel is ``wait`` (``recv``
 on the FFN rank), its copies and signal/control kernels are the transfer, other kernels
-are compute, gaps with no device work are ``device idle``. On the CPU (and for host-staged
+are compute, gaps with no device work are ``device idle``; each instant counts once, as
+compute if any stream computes, else transfer, else waiting (with DBO a micro-batch's
+wait kernel spins while the other computes). A step's device work starts at the earliest
+device span of its host step span (with DBO there is one per stream, many per step). On the CPU (and for host-staged
 connectors) they come from the ``afd.*`` annotations of vllm/afd (``afd.send``,
 ``afd.ffn_wait``, ``afd.recv``, ``afd.ffn_compute``, ``afd.ffn_step``).
 
@@ -40,6 +43,7 @@ what overlap could win at most.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import statistics
@@ -96,12 +100,12 @@ def load_trace(path: Path) -> tuple[list[dict], float]:
     return events, base
 
 
-def _spans(events: list[dict], name: str, device: bool = False) -> list[tuple[float, float]]:
-    cat = "gpu_user_annotation" if device else "user_annotation"
+def _spans(events: list[dict], name: str) -> list[tuple[float, float]]:
+    """The host spans (user annotations) named ``name``."""
     return sorted(
         (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         for e in events
-        if e.get("name") == name and e.get("cat") == cat
+        if e.get("name") == name and e.get("cat") == "user_annotation"
     )
 
 
@@ -170,16 +174,56 @@ def _mean_in(spans: list[tuple[float, float]], wins: list[tuple[float, float]]) 
 
 
 def _device_figures(per_cat, wins, names: tuple[str, str, str]) -> dict[str, float]:
+    """Device time per step by what the device did, each instant counted once: compute
+    (on any stream), else transfer, else waiting; idle when nothing ran. Without DBO the
+    work is serial and these are the kernels' sums. With DBO the micro-batches run on
+    streams of their own: one's wait kernel spins while the other computes, and that
+    time is compute, not waiting."""
     compute, send, wait = names
-    fig = {
-        "step": statistics.fmean(b - a for a, b in wins),
-        compute: _mean_in(per_cat["compute"], wins),
-        send: _mean_in(per_cat["transfer"], wins),
-        wait: _mean_in(per_cat["wait"], wins),
-    }
-    busy = [iv for ivs in per_cat.values() for iv in ivs]
-    fig["device idle"] = fig["step"] - sum(_union_in(busy, w) for w in wins) / len(wins)
-    return fig
+    layers = per_cat["compute"]
+    moving = layers + per_cat["transfer"]
+    busy = moving + per_cat["wait"]
+
+    def mean_union(spans):
+        return sum(_union_in(spans, w) for w in wins) / len(wins)
+
+    c, m, b = mean_union(layers), mean_union(moving), mean_union(busy)
+    step = statistics.fmean(e - a for a, e in wins)
+    return {"step": step, compute: c, send: m - c, wait: b - m, "device idle": step - b}
+
+
+def _ext_id(e: dict):
+    args = e.get("args")
+    return args.get("External id") if isinstance(args, dict) else None
+
+
+def _device_step_starts(events: list[dict], name: str) -> list[float]:
+    """Where each step's device work starts, from the device spans of the host span
+    ``name`` (one per step). The profiler writes one device span per host span and stream:
+    with DBO a step's kernels run on several streams (the micro-batches' compute and
+    exchange streams, and CUDA graph replays spread a graph's branches over more), so a
+    step has many. Its start is the earliest of the device spans linked to its host span
+    (the "External id" both carry), or, in a trace without the link, of those that start
+    within its host span's period."""
+    host = [e for e in events if e.get("name") == name and e.get("cat") == "user_annotation"]
+    dev = [e for e in events if e.get("name") == name and e.get("cat") == "gpu_user_annotation"]
+    ids = {_ext_id(e) for e in host} - {None}
+    first: dict = {}
+    for e in dev:
+        key = _ext_id(e)
+        if key in ids:
+            first[key] = min(first.get(key, float("inf")), float(e["ts"]))
+    if first:
+        return sorted(first.values())
+    starts = sorted(float(e["ts"]) for e in dev)
+    hosts = sorted(float(e["ts"]) for e in host)
+    if len(starts) <= len(hosts):
+        return starts  # one device span per step
+    for t in starts:
+        i = bisect.bisect_right(hosts, t) - 1
+        if i >= 0:
+            first[i] = min(first.get(i, t), t)
+    return sorted(first.values())
 
 
 def _kernel_starts(events: list[dict], name: str) -> list[float]:
@@ -218,7 +262,7 @@ def attention_figures(events: list[dict]) -> RoleFigures:
     if per_cat is not None:
         # A forward's launches run on the device a little later: windows are the device
         # extent of the forward spans where the trace has them.
-        dwins = _windows([s for s, _ in _spans(events, FORWARD, device=True)]) or wins
+        dwins = _windows(_device_step_starts(events, FORWARD)) or wins
         return _attention_device(per_cat, dwins)
     send = _spans(events, "afd.send")
     if not any(_count_in(send, w) for w in wins):
@@ -262,7 +306,7 @@ def ffn_figures(
     layers = sum(_count_in(compute, w) for w in wins) / served
     per_cat = _device(events)
     if per_cat is not None:
-        dwins = windows or _windows([s for s, _ in _spans(events, "afd.ffn_step", True)]) or own
+        dwins = windows or _windows(_device_step_starts(events, "afd.ffn_step")) or own
         layers = sum(_count_in(per_cat["wait"], w) for w in dwins) / len(dwins)
         fig = _device_figures(per_cat, dwins, ("compute", "send", "recv"))
         return RoleFigures("ffn", "device", len(dwins), layers, fig, dwins)

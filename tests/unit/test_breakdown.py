@@ -238,3 +238,67 @@ def test_decode_waits_only_for_traces_not_written_yet(tmp_path):
     with pytest.raises(decode.BreakdownError, match="1 'gpu_model_runner: forward' span"):
         decode.run_breakdown(tmp_path, "afd_b8", timeout=60)
     assert time.monotonic() - t0 < 5
+
+
+def dbo_device_trace(steps=4, period=1000.0, link=True):
+    """A micro-batched (DBO) step on the device, 30 us after its host forward: micro-batch
+    0 computes, sends (copy + signal) and waits on its exchange stream while micro-batch 1
+    computes, sends and waits; micro-batch 0's reply comes and it computes on while
+    micro-batch 1 still waits. The profiler writes one device span of the forward per
+    stream (four per step here), linked to the host span by its External id."""
+    ev = []
+    for i in range(steps):
+        t, d, ext = i * period, i * period + 30, {"External id": 100 + i}
+        ev.append(dict(X(bd.FORWARD, t, 900), args=dict(ext)))
+        for stream, a, b in ((7, 0, 650), (8, 200, 500), (9, 215, 415), (10, 415, 600)):
+            span = X(bd.FORWARD, d + a, b - a, cat="gpu_user_annotation", tid=stream)
+            ev.append(dict(span, args=dict(ext)) if link else span)
+        ev += [X("attention_ub0", d, 200, cat="kernel", tid=7),
+               X("Memcpy DtoD", d + 200, 10, cat="gpu_memcpy", tid=8),
+               X("_signal_kernel", d + 210, 5, cat="kernel", tid=8),
+               X("_wait_kernel", d + 215, 285, cat="kernel", tid=8),
+               X("attention_ub1", d + 215, 200, cat="kernel", tid=9),
+               X("Memcpy DtoD", d + 415, 10, cat="gpu_memcpy", tid=10),
+               X("_signal_kernel", d + 425, 5, cat="kernel", tid=10),
+               X("_wait_kernel", d + 430, 170, cat="kernel", tid=10),
+               X("lm_head_ub0", d + 500, 150, cat="kernel", tid=7)]  # fmt: skip
+    return ev
+
+
+@pytest.mark.parametrize("link", [True, False], ids=["external-id", "by-time"])
+def test_dbo_steps_on_the_device_timeline(link):
+    """One step per host forward however many streams its device work ran on (the H200
+    DBO trace gave 895 'steps' of one exchange each), and each instant counted once: a
+    micro-batch's wait kernel spinning while the other computes is compute."""
+    f = bd.attention_figures(dbo_device_trace(link=link))
+    assert f.source == "device" and f.steps == 3
+    assert [round(a) for a, _ in f.windows] == [30, 1030, 2030]
+    assert f.layers == 2  # one exchange per micro-batch
+    assert f.per_step["step"] == pytest.approx(1000.0)
+    assert f.per_step["attention"] == pytest.approx(550.0)  # 200 + 200 + 150
+    assert f.per_step["send"] == pytest.approx(30.0)  # two copies + signals
+    assert f.per_step["wait"] == pytest.approx(70.0)  # micro-batch 1 waits alone
+    assert f.per_step["device idle"] == pytest.approx(350.0)
+
+
+def test_dbo_ffn_steps_on_the_device_timeline():
+    """The FFN rank's own steps (no attention windows) from its step spans, one per step
+    although its device work ran on two streams."""
+    ev = []
+    for i in range(4):
+        t = i * 1000.0
+        ext = {"External id": 7 + i}
+        ev.append(dict(X("afd.ffn_step", t, 800), args=ext))
+        ev.append(X("afd.ffn_compute", t + 10, 100))
+        for stream, a in ((3, 20), (4, 120)):
+            ev.append(dict(X("afd.ffn_step", t + a, 100, cat="gpu_user_annotation", tid=stream),
+                           args=ext))
+        ev += [X("_wait_kernel", t + 20, 50, cat="kernel", tid=3),
+               X("fused_moe_kernel", t + 70, 200, cat="kernel", tid=3),
+               X("_wait_kernel", t + 120, 100, cat="kernel", tid=4)]  # fmt: skip
+    f = bd.ffn_figures(ev)
+    assert f.source == "device" and f.steps == 3 and f.layers == 2
+    assert [round(a) for a, _ in f.windows] == [20, 1020, 2020]
+    assert f.per_step["compute"] == pytest.approx(200.0)
+    assert f.per_step["recv"] == pytest.approx(50.0)  # the second wait is under compute
+    assert f.per_step["device idle"] == pytest.approx(750.0)
