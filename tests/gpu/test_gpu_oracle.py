@@ -26,6 +26,7 @@ import torch
 from harness import AfdProc, afd_json, ffn_stopped_counts, free_afd_port
 
 import serve_util as su
+from vllm.afd.ubatch_compat import HAS_V1_RUNNER
 
 pytestmark = pytest.mark.gpu
 
@@ -202,7 +203,12 @@ def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
 
 
 # Prefill and decode steps of at least 2 tokens are micro-batched (prefills run eagerly,
-# also with FULL_DECODE_ONLY graphs). Qwen3-MoE (FLASH_ATTN) needs patch 0014.
+# also with FULL_DECODE_ONLY graphs). DBO runs on model runner V1 where vLLM has it
+# (<= 0.33.0; Qwen3-MoE's FLASH_ATTN needs patch 0014 there), else on runner V2 (vLLM
+# 0.34.0: vllm.afd.dbo_v2 through the target's hook patch; its builders are per micro-batch).
+DBO_RUNNER = "v1" if HAS_V1_RUNNER else "v2"
+
+
 @pytest.mark.parametrize("mode", ["eager", "graphs"])
 @pytest.mark.parametrize("name", ["deepseek_v2_mla", "qwen3_moe"])
 def test_gpu_oracle_dbo(name, mode, tmp_path, procs):
@@ -210,20 +216,22 @@ def test_gpu_oracle_dbo(name, mode, tmp_path, procs):
     exchanges run on their own streams (cuda_ipc slots); with graphs the
     attention captures micro-batched FULL decode graphs and the FFN rank one
     graph per micro-batched step."""
-    plain = _plain(name, mode, "v1", tmp_path / "plain", procs)
+    plain = _plain(name, mode, DBO_RUNNER, tmp_path / "plain", procs)
     ffns: list = []
-    afd = _afd(name, "cuda_ipc", 0, mode, "v1", tmp_path, procs, keep_ffn=ffns,
+    afd = _afd(name, "cuda_ipc", 0, mode, DBO_RUNNER, tmp_path, procs, keep_ffn=ffns,
                attn_args=["--enable-dbo", "--dbo-threshold", "2"])
     worst = _compare(plain, afd)
     attn_log = _attn_log(tmp_path)
     assert "running eager" not in attn_log
+    if DBO_RUNNER == "v2":
+        assert "AFD attention role: DBO on model runner V2" in attn_log
     counts = ffn_stopped_counts(ffns[0])
     # 4 sequences at a time: most steps have >= 2 tokens and are micro-batched.
     assert counts["ubatched"] > counts["steps"] // 2, counts
     if mode == "graphs":
         assert "Capturing CUDA graphs" in attn_log
         assert "captured a CUDA graph for step ('ubatched'" in _ffn_log(tmp_path)
-    print(f"ORACLE {name} cuda_ipc {mode} DBO runner=v1: tokens identical, "
+    print(f"ORACLE {name} cuda_ipc {mode} DBO runner={DBO_RUNNER}: tokens identical, "
           f"max |logprob diff| {worst:.3g}, {counts}")
 
 
