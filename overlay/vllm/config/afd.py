@@ -442,17 +442,23 @@ class AFDConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def compute_hash(self) -> str:
-        # Everything that changes what the model computes or which layers this
-        # process builds; the address of the peer does not.
-        factors = {
+    def compile_factors(self) -> dict[str, Any]:
+        """Everything that changes what the model computes or which layers this process
+        builds; the address of the peer does not. vLLM 0.34.0's
+        ``VllmConfig.compile_factors`` takes them under ``"afd"`` (patch 0001)."""
+        return {
             "role": self.role,
             "connector": self.connector,
             "num_attention_ranks": self.num_attention_ranks,
             "num_ffn_ranks": self.num_ffn_ranks,
             "compute_gate_on_attention": self.compute_gate_on_attention,
         }
-        return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:32]
+
+    def compute_hash(self) -> str:
+        """The hash of :meth:`compile_factors` (``VllmConfig.compute_hash`` up to vLLM
+        0.33.0, patch 0001)."""
+        factors = json.dumps(self.compile_factors(), sort_keys=True)
+        return hashlib.sha256(factors.encode()).hexdigest()[:32]
 
     def __str__(self) -> str:
         d = self.to_dict()
