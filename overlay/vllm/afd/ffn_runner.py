@@ -112,6 +112,13 @@ class _LogitsStub(torch.nn.Module):
         return (self.owner.logits, None) if self.owner.as_tuple else self.owner.logits
 
 
+def settles_passes(device_type: str, num_attention_ranks: int) -> bool:
+    """Whether an FFN rank waits for each pass's device work before choosing the next
+    (FFNModelRunner._settle): on CUDA, where passes launch asynchronously, and only with
+    several attention ranks to join."""
+    return device_type == "cuda" and num_attention_ranks > 1
+
+
 class FFNModelRunner:
     def __init__(self, vllm_config, device: torch.device):
         self.vllm_config = vllm_config
@@ -240,6 +247,9 @@ class FFNModelRunner:
         self._graph_gen = -1
         self._graph_pool = None
         self.graph_replays = 0
+        # Several attention ranks on this FFN rank: each pass's device work ends before
+        # the next pass is chosen (see _settle).
+        self._settle_passes = settles_passes(self.device.type, len(cfg.attention_ranks_of(rank)))
         self.connector.start()
         metrics.STATS.start("ffn", rank, self.connector.peer_states)
         logger.info(cfg.ffn_pass_message(
@@ -284,6 +294,7 @@ class FFNModelRunner:
                         # One span per served step (benchmarks/breakdown.py counts them).
                         with record_function("afd.ffn_step"):
                             self._run_step(ready)
+                        self._settle()
                         if self.profiler is not None:
                             self.profiler.step()  # counts steps for delay/max iterations
                     else:
@@ -406,6 +417,18 @@ class FFNModelRunner:
                 transfer += t
                 compute += c
         return transfer, compute
+
+    def _settle(self) -> None:
+        """With several attention ranks, wait for the pass just launched to finish on the
+        device before choosing the next one. The host launches a pass (a graph replay)
+        without waiting; it would then choose the next pass while this one still runs,
+        find only the ranks this one does not serve ready, and serve the ranks in turn,
+        each pass reading every expert for one rank, as replicas do (2A1F on one H200:
+        the FFN rank captured graphs for each rank alone and never for both). Settled, the
+        ranks of this pass get their outputs together, their next steps arrive within the
+        batch window (connector_extra_config.batch_window_ms) and share one pass."""
+        if self._settle_passes:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _run_step(self, ready) -> None:
         # Micro-batched (DBO) steps are served on their own, layer by layer
