@@ -195,18 +195,23 @@ def run_ffn(a) -> int:
     while not stop.wait(0.2):
         if runner.error is not None:
             print(f"FFN failed: {runner.error}", file=sys.stderr, flush=True)
+            print_ffn_stats(runner)
             os._exit(3)
     runner.stop()
-    # The share of FFN passes that joined several attention ranks (M:N's gain comes from
-    # those: one read of the experts for all of them); measure() reads this line.
-    print(f"{FFN_STATS} " + json.dumps({"steps_served": runner.steps_served,
-                                        "batched_steps": runner.batched_steps,
-                                        "split_steps": runner.split_steps}), flush=True)
+    print_ffn_stats(runner)
     os._exit(0)
 
 
 # ------------------------------------------------------------------ driver
 FFN_STATS = "AFD-FFN-STATS"
+
+
+def print_ffn_stats(runner) -> None:
+    """The share of FFN passes that joined several attention ranks (M:N's gain comes from
+    those: one read of the experts for all of them); measure() reads this line."""
+    print(f"{FFN_STATS} " + json.dumps({"steps_served": runner.steps_served,
+                                        "batched_steps": runner.batched_steps,
+                                        "split_steps": runner.split_steps}), flush=True)
 
 
 def ffn_stats(log: Path) -> dict | None:
