@@ -291,7 +291,9 @@ def test_gpu_oracle_2a2f_ffn_group_expert_parallel(name, tmp_path, procs):
 # once (oracle_lib.mixed_length_prompts), 32 greedy tokens. DBO runs attention and MoE on
 # micro-batches, so its kernels see other batch sizes than plain vLLM's (MLA split-KV
 # scheduling, MoE tile configs) and bf16 results are not bitwise equal: a greedy token may
-# flip where plain's own top two are within a few bf16 ulps (0.0625 at logits of 8-16).
+# flip where plain's own top two are within a few bf16 ulps. This random-weight model's
+# next-token distributions are flat: in fp32 (CPU), 26 of the 384 positions have plain's
+# top two within 0.02 logprob and 116 within 0.1. The CPU oracle runs the same case exactly.
 QLORA_TIE_TOL = 0.1  # plain's top-1 minus top-2 logprob at a divergence
 QLORA_TOL = 0.1  # |logprob diff| of every shared top-5 token before a divergence
 QLORA_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
