@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from vllm.afd import dbo, failure, metrics, ubatch_compat
-from vllm.afd.protocol import AFDPeerError
+from vllm.afd import dbo, failure, metrics, rejoin, ubatch_compat
+from vllm.afd.protocol import AFDHandshakeError, AFDPeerError
 from vllm.afd.roles import afd_config
 from vllm.afd.roles import graph_capture_guard as graph_capture_guard  # patch 0013 imports it here
 from vllm.distributed.afd.base import ConnectorContext, create_attention_connector
@@ -70,6 +70,7 @@ class AttentionClient:
         )
         connector = create_attention_connector(ctx)
         metrics.STATS.start("attention", rank, self.peers)
+        metrics.STATS.outage = self.outage_seconds
         try:
             connector.connect()
         except Exception:
@@ -85,11 +86,34 @@ class AttentionClient:
         self, x: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None = None
     ) -> torch.Tensor:
         try:
-            return self._exchange(x, layer_idx, router_logits)
-        except AFDPeerError as e:
+            try:
+                return self._exchange(x, layer_idx, router_logits)
+            except AFDPeerError as e:
+                if not rejoin.possible(self.connector, _ubatch()[1] > 0):
+                    raise
+                return self._resume(x, layer_idx, router_logits, e)
+        except (AFDPeerError, AFDHandshakeError) as e:
             # For the error the clients of this server get (see vllm.afd.failure).
             failure.record("attention", self.rank, str(e))
             raise
+
+    def _resume(
+        self, x: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None,
+        error: AFDPeerError,
+    ) -> torch.Tensor:  # fmt: skip
+        """The FFN rank was lost in this step: rejoin it and re-run the step's FFN
+        exchanges up to this layer (vllm.afd.rejoin), then go on with the step."""
+        before = [self.gated[i] for i in sorted(self.layers) if i < layer_idx]
+
+        def rerun(conn) -> torch.Tensor:
+            self.step_id += 1
+            return rejoin.rerun_step(conn, self.step_id, before, x.contiguous(), router_logits)
+
+        out = rejoin.resume(self.connector, rerun, error)
+        if layer_idx == self.last:
+            self.connector.end_step()
+            self._record_step()
+        return out
 
     def _exchange(
         self, x: torch.Tensor, layer_idx: int, router_logits: torch.Tensor | None
@@ -156,6 +180,11 @@ class AttentionClient:
         conn = self.connector
         name = f"ffn_rank_{getattr(conn, 'ffn_rank', 0)}" if conn is not None else "ffn"
         return {name: conn is not None and conn.is_up()}
+
+    def outage_seconds(self) -> float:
+        """Seconds since the FFN rank was found lost (0 while it is connected)."""
+        lost = self.connector.lost_at() if self.connector is not None else None
+        return 0.0 if lost is None else time.monotonic() - lost
 
     def profile(self, is_start: bool) -> None:
         """Start/stop the torch profiler of the FFN rank (vLLM's /start_profile

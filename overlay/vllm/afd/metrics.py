@@ -30,7 +30,11 @@ attention role
     ``vllm:afd_step_ffn_wait_seconds`` (histogram: per step, time blocked
     until the FFN outputs arrived), ``vllm:afd_bytes_sent_total``,
     ``vllm:afd_bytes_received_total``, ``vllm:afd_peer_up{peer}``,
-    ``vllm:afd_handshake_failures_total``.
+    ``vllm:afd_handshake_failures_total``, ``vllm:afd_rejoins_total`` (a lost FFN
+    rank reached again and the step re-run), ``vllm:afd_outage_seconds_total``
+    (seconds without the FFN rank, over the outages that ended in a rejoin),
+    ``vllm:afd_peer_outage_seconds`` (gauge: seconds since the FFN rank was lost,
+    0 while it is connected).
 FFN role
     ``vllm:afd_ffn_steps_served_total``, ``vllm:afd_ffn_batched_steps_total``,
     ``vllm:afd_ffn_step_compute_seconds`` (histogram),
@@ -88,9 +92,12 @@ COUNTERS = {
     "ffn_idle_seconds": "Seconds the FFN serve loop waited with no step to run.",
     "ffn_graph_replays": "AFD steps the FFN rank served by replaying one of its CUDA graphs.",
     "ffn_ubatched_steps": "AFD steps served as micro-batches (DBO on the attention rank).",
+    "rejoins": "Times this attention rank reached its lost FFN rank again and re-ran the step.",
+    "outage_seconds": "Seconds this attention rank was without its FFN rank, over the outages "
+    "that ended in a rejoin.",
 }
 ATTENTION_COUNTERS = ("steps", "layer_exchanges", "bytes_sent", "bytes_received",
-                      "handshake_failures")
+                      "handshake_failures", "rejoins", "outage_seconds")
 FFN_COUNTERS = ("ffn_steps_served", "ffn_batched_steps", "ffn_idle_seconds", "bytes_sent",
                 "bytes_received", "handshake_failures", "ffn_graph_replays",
                 "ffn_ubatched_steps")
@@ -277,6 +284,8 @@ class AFDStats:
         self.layers: dict[str, dict[int, float]] = {k: {} for k in LAYER_COUNTERS}
         self.histograms = {k: _Histogram() for k in HISTOGRAMS}
         self.peers: Callable[[], dict[str, bool]] | None = None
+        # Attention role: seconds since its FFN rank was lost (0 while connected).
+        self.outage: Callable[[], float] | None = None
         self._writer: threading.Thread | None = None
         self._stop = threading.Event()
         self._name: str | None = None
@@ -314,6 +323,10 @@ class AFDStats:
         if self.peers is not None:
             with contextlib.suppress(Exception):
                 peers = {k: bool(v) for k, v in self.peers().items()}
+        outage = None
+        if self.outage is not None:
+            with contextlib.suppress(Exception):
+                outage = float(self.outage())
         with self._lock:
             return {
                 "pid": os.getpid(),
@@ -327,6 +340,7 @@ class AFDStats:
                     for k, h in self.histograms.items()
                 },
                 "peers": peers,
+                "outage_seconds": outage,
             }
 
     def start(self, role: str, rank: int, peers: Callable[[], dict[str, bool]]) -> None:
@@ -428,6 +442,11 @@ def collect_families(snapshots: list[dict]):
         "vllm:afd_peer_up", "1 while the AFD peer is connected, 0 when it is not.",
         labels=[*labels, "peer"],
     )  # fmt: skip
+    outage = GaugeMetricFamily(
+        "vllm:afd_peer_outage_seconds",
+        "Seconds since the AFD FFN rank was lost (0 while it is connected).",
+        labels=labels,
+    )
     for snap in snapshots:
         role = str(snap.get("role"))
         lv = [role, str(snap.get("rank"))]
@@ -450,8 +469,10 @@ def collect_families(snapshots: list[dict]):
             hists[k].add_metric(lv, buckets, h["sum"])
         for peer, is_up in snap.get("peers", {}).items():
             up.add_metric([*lv, peer], 1.0 if is_up else 0.0)
+        if not ffn and isinstance(snap.get("outage_seconds"), (int, float)):
+            outage.add_metric(lv, float(snap["outage_seconds"]))
     # Only families with samples: an FFN server shows no attention series.
-    families = [*counters.values(), *layers.values(), *hists.values(), up]
+    families = [*counters.values(), *layers.values(), *hists.values(), up, outage]
     yield from (f for f in families if f.samples)
 
 

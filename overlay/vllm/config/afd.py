@@ -79,6 +79,11 @@ class AFDConfig:
     # (vllm.afd.dbo.break_even_tokens), on the CPU 0 (vLLM's DBO thresholds alone);
     # an integer sets it (0: vLLM's thresholds alone).
     dbo_min_tokens: int | str = "auto"
+    # Attention role: how long a step waits for a lost FFN rank to come back (seconds,
+    # from the loss): the attention rank reconnects to it with backoff, re-handshakes
+    # and re-runs the interrupted step's FFN exchanges (vllm.afd.rejoin). None: timeout_s;
+    # 0: no rejoin, a lost FFN rank ends the engine at once.
+    rejoin_timeout_s: float | None = None
 
     # ------------------------------------------------------------------ parse
     @classmethod
@@ -190,6 +195,7 @@ class AFDConfig:
             fail(f"'timeout_s' must be a number of seconds; got {self.timeout_s!r}")
         if not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             fail(f"'timeout_s' must be a positive number of seconds; got {self.timeout_s}")
+        self._validate_rejoin(fail)
         if not isinstance(self.connector_extra_config, dict):
             fail(
                 "'connector_extra_config' must be a JSON object; got "
@@ -229,6 +235,27 @@ class AFDConfig:
             value = self.connector_extra_config.get(key, default)
             if not _is_int(value) or value < 0:
                 fail(f"connector_extra_config.{key} must be a non-negative integer; got {value!r}")
+
+    def _validate_rejoin(self, fail) -> None:
+        value = self.rejoin_timeout_s
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail(
+                "'rejoin_timeout_s' must be a number of seconds (0 turns rejoining off: a "
+                f"lost FFN rank then ends the attention engine at once); got {value!r}"
+            )
+        if not math.isfinite(value) or value < 0:
+            fail(
+                "'rejoin_timeout_s' must be a finite number of seconds >= 0 (how long a step "
+                f"waits for a lost FFN rank to come back; 0: not at all); got {value}"
+            )
+
+    @property
+    def rejoin_window_s(self) -> float:
+        """Seconds a lost FFN rank has to come back (``rejoin_timeout_s``, default
+        ``timeout_s``); 0: rejoining is off."""
+        return float(self.timeout_s if self.rejoin_timeout_s is None else self.rejoin_timeout_s)
 
     def verify_with_vllm_config(self, vllm_config: Any) -> None:
         """Refuse combinations this release does not support (duck-typed on

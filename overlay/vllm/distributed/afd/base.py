@@ -44,6 +44,10 @@ class AttentionConnector(ABC):
     # True when the connector serves micro-batched (DBO) steps: recv_start on this
     # side, recv_control on the FFN side (vllm.config.afd.DBO_CONNECTORS).
     dbo_capable = False
+    # True when reconnect() can bring a lost FFN rank back and a step can then be
+    # re-run from its first layer (vllm.afd.rejoin); else a lost FFN rank ends the
+    # engine whatever rejoin_timeout_s says.
+    can_rejoin = False
 
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
@@ -51,6 +55,20 @@ class AttentionConnector(ABC):
     @abstractmethod
     def connect(self) -> None:
         """Reach the FFN rank and handshake; raise within timeout_s."""
+
+    def reconnect(self, deadline: float) -> None:
+        """After a lost FFN rank (an AFDPeerError of a step, or of a heartbeat): reach
+        it again at its address, re-handshake (the same fingerprint), and take the new
+        connection; no-op while up. Retries with backoff until ``deadline``
+        (time.monotonic()), then raises AFDPeerError; raises AFDHandshakeError at once
+        for a peer of another deployment. Connectors with ``can_rejoin`` implement it."""
+        raise NotImplementedError(
+            f"the AFD connector {self.ctx.config.connector!r} cannot rejoin a lost FFN rank"
+        )
+
+    def lost_at(self) -> float | None:
+        """time.monotonic() when the FFN rank was found lost; None while connected."""
+        return None
 
     @abstractmethod
     def begin_step(

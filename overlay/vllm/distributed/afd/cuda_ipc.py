@@ -341,6 +341,9 @@ def recv_message(
 class IPCAttentionConnector(TCPAttentionConnector):
     graph_capable = True
     dbo_capable = True
+    # A new FFN rank maps new buffers at new addresses that this rank's captured
+    # graphs do not know: a lost FFN rank ends the engine (docs/connectors.md).
+    can_rejoin = False
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)

@@ -55,6 +55,8 @@ def _create_comm(ctx: ConnectorContext, ffn_rank: int, member: int):
 class NCCLAttentionConnector(TCPAttentionConnector):
     # The layer data goes over PyNccl, not the TCP socket that recv_start reads.
     dbo_capable = False
+    # An NCCL group is formed once per FFN rank session: a lost FFN rank ends the engine.
+    can_rejoin = False
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)

@@ -134,12 +134,23 @@ class _Throttle:
         log(msg, *args)
 
 
+# Dialling the FFN rank: first retry after this many seconds, doubling up to the
+# second value. At start-up a fixed short interval (both servers come up together);
+# after a lost FFN rank a backoff (it restarts in seconds to minutes).
+DIAL_RETRY_S = (0.2, 0.2)
+# The FFN's refusal of a rank it still holds a connection of (the attention side
+# retries it like "busy").
+ALREADY_CONNECTED = " is already connected"
+REJOIN_BACKOFF_S = (0.1, 1.0)
+
+
 class _Busy(Exception):
     """The FFN rank had too many handshakes in progress: try again."""
 
 
 class TCPAttentionConnector(AttentionConnector):
     dbo_capable = True
+    can_rejoin = True
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
@@ -161,17 +172,39 @@ class TCPAttentionConnector(AttentionConnector):
         # Background receives (recv_start): one worker, so they complete in order.
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
         self._rsock: socket.socket | None = None
+        # Rejoin (reconnect): one at a time; when the FFN rank was lost.
+        self._rejoin_lock = threading.Lock()
+        self._lost_at: float | None = None
 
     # -- connection ------------------------------------------------------
     def connect(self) -> None:
         deadline = time.monotonic() + self.timeout
         logger.info("AFD: connecting to %s (timeout %.0f s)", self.peer, self.timeout)
         self._log_auth()
+        self.sock = self._establish(deadline, DIAL_RETRY_S, rejoining=False)
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="afd-heartbeat", daemon=True)
+        self._hb.start()
+        logger.info("AFD: attention rank %d connected to %s", self.ctx.rank, self.peer)
+
+    def _establish(
+        self, deadline: float, backoff: tuple[float, float], rejoining: bool
+    ) -> socket.socket:
+        """A handshaken connection to the FFN rank before ``deadline``: dials again
+        while nothing listens (every ``backoff[0]`` s, doubling up to ``backoff[1]``)
+        and while the FFN rank is busy (``rejoining``: also while it still holds this
+        rank's previous connection)."""
         while True:
-            sock = self._dial(deadline)
+            sock = self._dial(deadline, backoff)
             try:
-                self._handshake(sock, deadline)
-                break
+                self._handshake(sock, deadline, rejoining)
+                return sock
+            except AFDPeerError:
+                # Rejoining, a reset or EOF in the handshake is an FFN server dying or
+                # starting (its listener up before it serves): dial again.
+                sock.close()
+                if not rejoining or time.monotonic() >= deadline:
+                    raise
+                time.sleep(max(0.0, min(backoff[1], deadline - time.monotonic())))
             except _Busy as e:
                 sock.close()
                 if time.monotonic() >= deadline:
@@ -183,10 +216,71 @@ class TCPAttentionConnector(AttentionConnector):
             except BaseException:
                 sock.close()
                 raise
-        self.sock = sock
-        self._hb = threading.Thread(target=self._heartbeat_loop, name="afd-heartbeat", daemon=True)
-        self._hb.start()
-        logger.info("AFD: attention rank %d connected to %s", self.ctx.rank, self.peer)
+
+    # -- rejoin: the FFN rank was lost and may come back --------------------
+    def lost_at(self) -> float | None:
+        """time.monotonic() when this rank noticed the loss of its FFN rank (None
+        while connected, or before the first connection)."""
+        return self._lost_at
+
+    def reconnect(self, deadline: float) -> None:
+        """Reach the FFN rank again (the same address), re-handshake and take the
+        new connection, retrying with backoff until ``deadline``. A no-op while the
+        connection is up. Raises AFDPeerError at the deadline, and at once an
+        AFDHandshakeError when what answers is not of this deployment (fingerprint,
+        revision, topology or authentication differ)."""
+        with self._rejoin_lock:
+            if self.is_up():
+                return
+            if self._lost_at is None:
+                self._lost_at = time.monotonic()
+            self._drop_connection()
+            sock = self._establish(deadline, REJOIN_BACKOFF_S, rejoining=True)
+            if self._closed.is_set():  # closed meanwhile (the engine stops)
+                sock.close()
+                raise AFDPeerError(f"AFD attention rank closed while rejoining {self.peer}")
+            with self._lock:
+                self.sock = sock
+                self._step = None
+                self._in_step = False
+                self._dead = None
+                outage = time.monotonic() - self._lost_at
+                self._lost_at = None
+            metrics.STATS.record({"rejoins": 1, "outage_seconds": outage})
+            logger.warning(
+                "AFD: attention rank %d rejoined %s after %.2f s without it",
+                self.ctx.rank, self.peer, outage,
+            )  # fmt: skip
+
+    def _drop_connection(self) -> None:
+        """Close the lost connection (and the background reader of DBO steps)."""
+        with self._lock:
+            sock, self.sock = self.sock, None
+            reader, self._reader = self._reader, None
+            rsock, self._rsock = self._rsock, None
+        for s in (sock, rsock):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+        if reader is not None:
+            reader.shutdown(wait=False, cancel_futures=True)
+
+    def _rejoin_in_background(self) -> None:
+        """The heartbeat noticed the loss between steps: reconnect now (within
+        rejoin_timeout_s of the loss) so that a restarted FFN rank finds its
+        attention rank at once; a step that comes meanwhile waits for this."""
+        lost = self._lost_at
+        window = self.ctx.config.rejoin_window_s
+        if not self.can_rejoin or window <= 0 or lost is None:
+            return
+        if time.monotonic() >= lost + window:
+            return
+        try:
+            self.reconnect(lost + window)
+        except (AFDPeerError, AFDHandshakeError) as e:
+            logger.error("AFD: attention rank %d could not rejoin %s: %s",
+                         self.ctx.rank, self.peer, e)  # fmt: skip
 
     def _log_auth(self) -> None:
         if self.secret:
@@ -207,11 +301,13 @@ class TCPAttentionConnector(AttentionConnector):
                 *self.addr,
             )
 
-    def _dial(self, deadline: float) -> socket.socket:
+    def _dial(self, deadline: float, backoff: tuple[float, float]) -> socket.socket:
         last_err: Exception | None = None
+        wait = backoff[0]
         while True:
             try:
-                sock = socket.create_connection(self.addr, timeout=min(5.0, self.timeout))
+                left = max(0.05, deadline - time.monotonic())
+                sock = socket.create_connection(self.addr, timeout=min(5.0, self.timeout, left))
                 if _self_connected(sock):
                     # Nothing listens yet and the kernel picked the FFN's own port as
                     # this socket's source port (possible when that port lies in the
@@ -231,16 +327,18 @@ class TCPAttentionConnector(AttentionConnector):
                         f"{last_err}. Check that the FFN server is started with the same "
                         "--afd-config, that host/port are right and reachable."
                     ) from None
-                time.sleep(0.2)
+                time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
+                wait = min(backoff[1], 2 * wait)
 
-    def _handshake(self, sock: socket.socket, deadline: float) -> None:
+    def _handshake(self, sock: socket.socket, deadline: float, rejoining: bool = False) -> None:
         """Hello; with a shared secret a challenge-response round where both sides
         prove it over fresh nonces; then the FFN's verdict and fingerprint."""
         nonce = new_nonce()
         local = _hello_payload(self.ctx, "attention")
         local.update(nonce=nonce, auth=AUTH_REQUIRED if self.secret else AUTH_NONE)
         send_hello(sock, local, self.timeout, self.peer)
-        hello_deadline = max(deadline, time.monotonic() + 10.0)
+        # At start-up a hello gets 10 s even past the deadline; a rejoin keeps to it.
+        hello_deadline = deadline if rejoining else max(deadline, time.monotonic() + 10.0)
         reply = self._recv_reply(sock, hello_deadline)
         self._check_auth_mode(reply)
         ffn_nonce = None
@@ -252,6 +350,10 @@ class TCPAttentionConnector(AttentionConnector):
             send_hello(sock, {"proof": proof}, self.timeout, self.peer)
             reply = self._recv_reply(sock, hello_deadline)
         status = reply.get("status")
+        if rejoining and isinstance(status, str) and status.endswith(ALREADY_CONNECTED):
+            # The FFN rank has not noticed yet that this rank's previous connection is
+            # gone (a rejoin after a timeout): it drops that one within timeout_s.
+            raise _Busy(f"{self.peer} still holds this rank's previous connection")
         if status != STATUS_OK:
             raise AFDHandshakeError(
                 f"AFD {self.peer} refused this attention rank: {printable(status)}"
@@ -314,13 +416,17 @@ class TCPAttentionConnector(AttentionConnector):
         msg = Control(MSG_HEARTBEAT).pack()
         while not self._closed.wait(interval):
             with self._lock:
-                if self._in_step or self.sock is None or self._dead:
+                if self._in_step:
                     continue
-                try:
-                    send_all(self.sock, msg, self.timeout, self.peer)
-                except AFDPeerError as e:
-                    self._dead = str(e)
-                    logger.error("AFD: %s", e)
+                lost = self._dead is not None or self.sock is None
+                if not lost:
+                    try:
+                        send_all(self.sock, msg, self.timeout, self.peer)
+                    except AFDPeerError as e:
+                        self._note_lost(str(e))
+                        lost = True
+            if lost:
+                self._rejoin_in_background()
 
     def _check(self) -> socket.socket:
         if self._dead:
@@ -340,9 +446,16 @@ class TCPAttentionConnector(AttentionConnector):
             self._fail(e, what)
             raise
 
+    def _note_lost(self, why: str) -> None:
+        if self._dead is None:
+            self._dead = why
+            logger.error("AFD: %s", why)
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
+
     def _fail(self, e: BaseException, what: str) -> None:
         if self._dead is None:
-            self._dead = (
+            self._note_lost(
                 str(e)
                 if isinstance(e, AFDPeerError)
                 else (
@@ -350,7 +463,6 @@ class TCPAttentionConnector(AttentionConnector):
                     f"({type(e).__name__}: {e}); the connection is out of step and closed"
                 )
             )
-            logger.error("%s", self._dead)
         sock = self.sock
         if sock is not None:
             try:  # the FFN rank sees EOF at once instead of waiting for the rest
@@ -796,7 +908,7 @@ class TCPFFNConnector(FFNConnector):
             if not taken:
                 self._joining.add(rank)
         if taken:
-            self._reply(sock, f"attention rank {rank} is already connected")
+            self._reply(sock, f"attention rank {rank}{ALREADY_CONNECTED}")
             sock.close()
             return False
         try:

@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Rejoin a lost FFN rank and re-run the interrupted step (attention role).
+
+The attention role owns the scheduler, the KV cache and sampling; an FFN rank
+keeps nothing from one step to the next. When the FFN rank is lost during a
+step (EOF, reset, no answer within ``timeout_s``), the layer exchange that
+failed holds the step: the connector reconnects to the FFN rank's address with
+backoff and re-handshakes (the same fingerprint, revision and topology, else
+the engine fails at once), then the step's FFN exchanges are re-run from its
+first layer under a new step id. The layers before the interrupted one were
+computed already (their outputs are in the residual stream, their KV written):
+they are re-sent as zero rows of the same shape, whose outputs are dropped, so
+the FFN rank walks the step's layers in order as it always does; the
+interrupted layer is sent its real input and the step goes on. Sampling happens
+after the last layer, so the step's output is the one an uninterrupted step
+gives. Requests in flight continue; new ones queue in the engine meanwhile.
+
+Bounded: the FFN rank has ``rejoin_timeout_s`` (default ``timeout_s``) from the
+loss to come back; after that the step fails with the loss's error, as without
+rejoin. A micro-batched (DBO) step, a connector without ``can_rejoin``
+(``cuda_ipc``, ``nccl``) and ``rejoin_timeout_s`` 0 keep the fail-fast path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from vllm.afd.protocol import AFDHandshakeError, AFDPeerError
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def possible(conn, ubatched: bool) -> bool:
+    """A lost FFN rank may be rejoined in this step: the connector can, the
+    window is not 0 and the step is not micro-batched."""
+    if conn is None or not getattr(conn, "can_rejoin", False) or ubatched:
+        return False
+    return conn.ctx.config.rejoin_window_s > 0
+
+
+def resume(conn, rerun: Callable[[object], torch.Tensor], error: Exception) -> torch.Tensor:
+    """Reconnect ``conn`` and ``rerun(conn)`` the step, again after every loss,
+    until ``rejoin_timeout_s`` after the first one. Raises AFDPeerError (with
+    ``error``'s text first) when the FFN rank does not come back in time, and
+    AFDHandshakeError at once for a peer of another deployment."""
+    window = conn.ctx.config.rejoin_window_s
+    lost = conn.lost_at() or time.monotonic()
+    deadline = lost + window
+    logger.warning("AFD: %s; holding the step and rejoining (rejoin_timeout_s=%g)", error, window)
+    last: Exception = error
+    while True:
+        try:
+            conn.reconnect(deadline)
+        except AFDHandshakeError:
+            raise
+        except AFDPeerError as e:
+            raise AFDPeerError(
+                f"{error}; it did not come back within rejoin_timeout_s={window:g} ({e})"
+            ) from e
+        try:
+            out = rerun(conn)
+        except AFDPeerError as e:  # lost again during the re-run
+            last = e
+            if time.monotonic() >= deadline:
+                raise AFDPeerError(
+                    f"{error}; lost again while re-running the step, and "
+                    f"rejoin_timeout_s={window:g} has passed ({last})"
+                ) from e
+            continue
+        logger.info("AFD: the interrupted step re-ran %.2f s after the loss",
+                    time.monotonic() - lost)  # fmt: skip
+        return out
+
+
+def rerun_step(
+    conn,
+    step_id: int,
+    before: list[bool],
+    x: torch.Tensor,
+    router_logits: torch.Tensor | None,
+) -> torch.Tensor:
+    """Open step ``step_id`` of ``x``'s token count, exchange zero rows for the
+    layers ``before`` the interrupted one (True: that layer also sends router
+    logits, ``conn.ctx.num_router_logits`` wide) and ``x`` for it; its FFN output."""
+    n = x.shape[0]
+    conn.begin_step(step_id, n)
+    zeros = torch.zeros_like(x)
+    scratch = torch.empty_like(x)
+    width = conn.ctx.num_router_logits or 0
+    zero_logits = torch.zeros((n, width), dtype=torch.float32, device=x.device)
+    for gated in before:
+        conn.send(zeros)
+        if gated:
+            conn.send(zero_logits)
+        conn.recv(scratch)
+    conn.send(x)
+    if router_logits is not None:
+        conn.send(router_logits.to(torch.float32).contiguous())
+    return conn.recv(torch.empty_like(x))

@@ -1,0 +1,363 @@
+"""Rejoin of a lost FFN rank on the attention side (issue 21): the rejoin_timeout_s key,
+the connector's reconnect (same address, backoff, deadline, re-handshake), the metrics of an
+outage, and the attention client re-running an interrupted step over real TCP connectors
+(an FFN rank closed mid-step and a new one started on its port)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+import threading
+import time
+import types
+
+import pytest
+import torch
+from tcp_lib import HIDDEN, HOST, MAX_TOKENS, Bg, fingerprint, wait_until
+
+from serve_util import free_port
+from vllm.afd import metrics, rejoin
+from vllm.afd.attention import AttentionClient
+from vllm.afd.protocol import AFDHandshakeError, AFDPeerError
+from vllm.config.afd import AFDConfig, AFDConfigError
+from vllm.distributed.afd import tcp
+from vllm.distributed.afd.base import ConnectorContext
+
+TIMEOUT = 2.0
+
+
+def ctx(role: str, port: int, rejoin_timeout_s=None, **fp_changes) -> ConnectorContext:
+    raw = {"role": role, "connector": "tcp", "host": HOST, "port": port, "timeout_s": TIMEOUT}
+    if rejoin_timeout_s is not None:
+        raw["rejoin_timeout_s"] = rejoin_timeout_s
+    return ConnectorContext(
+        config=AFDConfig.from_dict(raw),
+        rank=0,
+        fingerprint=fingerprint(**fp_changes),
+        max_num_tokens=MAX_TOKENS,
+        device=torch.device("cpu"),
+    )
+
+
+# ------------------------------------------------------------------------------ config
+def test_rejoin_timeout_defaults_to_timeout_s_and_zero_turns_it_off():
+    assert AFDConfig.from_dict({"role": "attention", "timeout_s": 7}).rejoin_window_s == 7.0
+    cfg = AFDConfig.from_dict({"role": "attention", "rejoin_timeout_s": 0})
+    assert cfg.rejoin_window_s == 0.0
+    assert AFDConfig.from_dict({"role": "ffn", "rejoin_timeout_s": 2.5}).rejoin_window_s == 2.5
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (-1, r"'rejoin_timeout_s' must be a finite number of seconds >= 0 .*; got -1"),
+        (math.inf, r"'rejoin_timeout_s' must be a finite number of seconds >= 0 .*; got inf"),
+        (math.nan, r"'rejoin_timeout_s' must be a finite number of seconds >= 0 .*; got nan"),
+        ("60", r"'rejoin_timeout_s' must be a number of seconds \(0 turns rejoining off.*'60'"),
+        (True, r"'rejoin_timeout_s' must be a number of seconds .*got True"),
+    ],
+)
+def test_rejoin_timeout_is_validated(value, message):
+    with pytest.raises(AFDConfigError, match=message):
+        AFDConfig.from_dict({"role": "attention", "rejoin_timeout_s": value})
+
+
+# --------------------------------------------------------------------------- the FFN side
+class FakeFFN:
+    """A TCP FFN rank on ``port`` whose layers double their input (``layers`` per step);
+    it records the inputs it received per step."""
+
+    def __init__(self, port: int, layers: int, **fp_changes):
+        self.conn = tcp.TCPFFNConnector(ctx("ffn", port, **fp_changes))
+        self.layers = layers
+        self.steps: list[tuple[int, list[torch.Tensor]]] = []
+        self._stop = threading.Event()
+        self.conn.start()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                peers = self.conn.wait_step(0.05)
+                for p in peers:
+                    n = p.control.num_tokens
+                    seen = []
+                    for _ in range(self.layers):
+                        buf = torch.empty(n, HIDDEN)
+                        self.conn.recv(p, buf)
+                        seen.append(buf.clone())
+                        self.conn.send(p, 2 * buf)
+                    self.steps.append((p.control.step_id, seen))
+            except (AFDPeerError, OSError, ValueError):
+                if self._stop.is_set():
+                    return
+                time.sleep(0.01)
+
+    def close(self) -> None:
+        """The FFN rank dies: listener and connections closed (EOF at the attention)."""
+        self._stop.set()
+        # As a process that dies: the listener goes at once (close() alone leaves it to
+        # the accept thread's current accept() call, up to 0.5 s).
+        with contextlib.suppress(OSError):
+            self.conn.listener.shutdown(socket.SHUT_RDWR)
+        for p in list(self.conn.peers.values()):  # wakes a receive blocked on it
+            with contextlib.suppress(OSError):
+                p.sock.shutdown(socket.SHUT_RDWR)
+        self.conn.close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def ffns():
+    made: list[FakeFFN] = []
+
+    def make(port, layers=3, **fp_changes):
+        f = FakeFFN(port, layers, **fp_changes)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+@pytest.fixture
+def attention():
+    made: list[tcp.TCPAttentionConnector] = []
+
+    def make(port, **kw):
+        a = tcp.TCPAttentionConnector(ctx("attention", port, **kw))
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def _lose(att: tcp.TCPAttentionConnector) -> None:
+    """Wait until the attention side has noticed the loss (its heartbeat)."""
+    wait_until(lambda: not att.is_up(), 5.0, "the loss noticed")
+
+
+# --------------------------------------------------------------------- reconnect itself
+def test_reconnect_reaches_a_restarted_ffn_and_counts_the_outage(ffns, attention):
+    port = free_port()
+    first = ffns(port, layers=1)
+    att = attention(port, rejoin_timeout_s=0)  # no background rejoin: the test drives it
+    Bg(att.connect).get()
+    first.close()
+    _lose(att)
+    assert att.lost_at() is not None
+    before = dict(metrics.STATS.counters)
+    later = Bg(lambda: (time.sleep(0.5), ffns(port, layers=1))[1])
+    t0 = time.monotonic()
+    att.reconnect(time.monotonic() + 10)
+    took = time.monotonic() - t0
+    second = later.get()
+    assert att.is_up() and att.lost_at() is None
+    assert 0.4 < took < 3.0, took
+    assert metrics.STATS.counters["rejoins"] == before["rejoins"] + 1
+    assert metrics.STATS.counters["outage_seconds"] >= before["outage_seconds"] + 0.4
+    # the new connection carries a step (a step id the new FFN rank has not seen is fine)
+    att.begin_step(50, 2)
+    x = torch.randn(2, HIDDEN)
+    att.send(x)
+    assert torch.equal(att.recv(torch.empty(2, HIDDEN)), 2 * x)
+    att.end_step()
+    wait_until(lambda: second.steps, 5.0, "the step served")
+    att.reconnect(time.monotonic() + 1)  # up: a no-op
+    assert att.is_up()
+
+
+def test_reconnect_gives_up_at_the_deadline(ffns, attention):
+    port = free_port()
+    first = ffns(port, layers=1)
+    att = attention(port, rejoin_timeout_s=0)
+    Bg(att.connect).get()
+    first.close()
+    _lose(att)
+    t0 = time.monotonic()
+    with pytest.raises(AFDPeerError, match=rf"could not reach AFD FFN rank 0 at {HOST}:{port}"):
+        att.reconnect(time.monotonic() + 1.0)
+    assert 0.9 < time.monotonic() - t0 < 2.5
+    assert not att.is_up()
+
+
+def test_reconnect_to_another_deployment_fails_at_once(ffns, attention):
+    """A restarted FFN rank of another checkpoint: the re-handshake refuses it at once,
+    not at the deadline."""
+    port = free_port()
+    first = ffns(port, layers=1)
+    att = attention(port, rejoin_timeout_s=0)
+    Bg(att.connect).get()
+    first.close()
+    _lose(att)
+    ffns(port, layers=1, checkpoint="ffffffffffffffffffffffff (other)")
+    t0 = time.monotonic()
+    with pytest.raises(AFDHandshakeError, match="fingerprint mismatch on 'checkpoint'"):
+        att.reconnect(time.monotonic() + 20)
+    assert time.monotonic() - t0 < 5
+
+
+def test_dial_backs_off_doubling_up_to_one_second(monkeypatch, attention):
+    """The rejoin dial: 0.1 s, then doubling, at most 1 s between tries, never past the
+    deadline (a fake clock: no real waiting)."""
+    clock = {"t": 1000.0}
+    sleeps: list[float] = []
+
+    def sleep(s):
+        sleeps.append(round(s, 3))
+        clock["t"] += s
+
+    fake_time = types.SimpleNamespace(monotonic=lambda: clock["t"], sleep=sleep)
+
+    def refuse(*a, **k):
+        raise ConnectionRefusedError("nothing listens")
+
+    monkeypatch.setattr(tcp, "time", fake_time)
+    monkeypatch.setattr(tcp.socket, "create_connection", refuse)
+    att = attention(free_port())
+    with pytest.raises(AFDPeerError, match="could not reach"):
+        att._dial(1000.0 + 4.5, tcp.REJOIN_BACKOFF_S)
+    assert sleeps == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    assert round(sum(sleeps), 3) == 4.5  # the last sleep ends at the deadline
+
+
+def test_idle_loss_rejoins_in_the_background(ffns, attention):
+    """Lost between steps (the heartbeat sees it): the connector reconnects by itself, so
+    that a restarted FFN rank finds its attention rank without waiting for a request."""
+    port = free_port()
+    first = ffns(port, layers=1)
+    att = attention(port, rejoin_timeout_s=10)
+    Bg(att.connect).get()
+    first.close()
+    _lose(att)
+    second = ffns(port, layers=1)
+    wait_until(att.is_up, 8.0, "the background rejoin")
+    wait_until(lambda: 0 in second.conn.peers, 5.0, "the FFN rank accepted the rank")
+
+
+# ------------------------------------------------------------ the step re-run (client)
+def client_for(att: tcp.TCPAttentionConnector, layers: int) -> AttentionClient:
+    c = AttentionClient()
+    for i in range(layers):
+        c.register(i)
+    c.connector = att
+    return c
+
+
+def test_interrupted_step_is_rerun_from_its_first_layer(ffns, attention):
+    """Layer 0 of a step exchanged, then the FFN rank dies; a new one starts on its port
+    0.3 s later. Layer 1's exchange holds, rejoins, re-runs the step (layer 0 as zero rows,
+    layer 1 with its input) and returns layer 1's true output; layer 2 follows normally."""
+    port = free_port()
+    first = ffns(port, layers=3)
+    att = attention(port, rejoin_timeout_s=10)
+    Bg(att.connect).get()
+    client = client_for(att, 3)
+    xs = [torch.randn(4, HIDDEN) for _ in range(3)]
+    assert torch.equal(client.exchange(xs[0], 0), 2 * xs[0])
+    first.close()
+    later = Bg(lambda: (time.sleep(0.3), ffns(port, layers=3))[1])
+    out1 = client.exchange(xs[1], 1)
+    assert torch.equal(out1, 2 * xs[1])
+    assert torch.equal(client.exchange(xs[2], 2), 2 * xs[2])
+    second = later.get()
+    wait_until(lambda: second.steps, 5.0, "the re-run step served")
+    (step_id, seen), *_ = second.steps
+    assert step_id > 1
+    assert torch.equal(seen[0], torch.zeros(4, HIDDEN))
+    assert torch.equal(seen[1], xs[1]) and torch.equal(seen[2], xs[2])
+    # the next step runs as usual
+    x = torch.randn(3, HIDDEN)
+    assert all(torch.equal(client.exchange(x, i), 2 * x) for i in range(3))
+
+
+def test_without_rejoin_a_lost_ffn_ends_the_step(ffns, attention):
+    """rejoin_timeout_s 0: today's fail-fast path (the engine ends on this error)."""
+    port = free_port()
+    first = ffns(port, layers=2)
+    att = attention(port, rejoin_timeout_s=0)
+    Bg(att.connect).get()
+    client = client_for(att, 2)
+    x = torch.randn(2, HIDDEN)
+    client.exchange(x, 0)
+    first.close()
+    ffns(port, layers=2)  # back at once, but not rejoined
+    t0 = time.monotonic()
+    with pytest.raises(AFDPeerError, match=rf"lost AFD peer FFN rank 0 at {HOST}:{port}"):
+        client.exchange(x, 1)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_a_step_fails_as_today_once_rejoin_timeout_s_has_passed(ffns, attention):
+    port = free_port()
+    first = ffns(port, layers=2)
+    att = attention(port, rejoin_timeout_s=1.0)
+    Bg(att.connect).get()
+    client = client_for(att, 2)
+    x = torch.randn(2, HIDDEN)
+    client.exchange(x, 0)
+    first.close()
+    t0 = time.monotonic()
+    with pytest.raises(AFDPeerError) as err:
+        client.exchange(x, 1)
+    took = time.monotonic() - t0
+    assert 0.8 < took < 3.0, took
+    msg = str(err.value)
+    assert f"lost AFD peer FFN rank 0 at {HOST}:{port}" in msg
+    assert "did not come back within rejoin_timeout_s=1" in msg
+
+
+def test_outage_seconds_and_peer_up_while_waiting(ffns, attention):
+    port = free_port()
+    first = ffns(port, layers=1)
+    att = attention(port, rejoin_timeout_s=0)
+    Bg(att.connect).get()
+    client = client_for(att, 1)
+    assert client.outage_seconds() == 0.0
+    assert client.peers() == {"ffn_rank_0": True}
+    first.close()
+    _lose(att)
+    time.sleep(0.2)
+    assert client.outage_seconds() >= 0.2
+    assert client.peers() == {"ffn_rank_0": False}
+    ffns(port, layers=1)
+    att.reconnect(time.monotonic() + 10)
+    assert client.outage_seconds() == 0.0 and client.peers() == {"ffn_rank_0": True}
+
+
+def test_outage_gauge_and_rejoin_counters_in_prometheus():
+    snap = {
+        "role": "attention",
+        "rank": 0,
+        "counters": {"rejoins": 2, "outage_seconds": 3.5, "steps": 9},
+        "peers": {"ffn_rank_0": False},
+        "outage_seconds": 1.25,
+        "histograms": {},
+        "layers": {},
+    }
+    fams = {f.name: f for f in metrics.collect_families([snap])}
+    assert fams["vllm:afd_rejoins"].samples[0].value == 2
+    assert fams["vllm:afd_outage_seconds"].samples[0].value == 3.5
+    assert fams["vllm:afd_peer_outage_seconds"].samples[0].value == 1.25
+    assert fams["vllm:afd_peer_up"].samples[0].value == 0.0
+
+
+def test_rejoin_is_not_tried_for_micro_batched_steps_or_connectors_that_cannot():
+    cfg = types.SimpleNamespace(config=AFDConfig.from_dict({"role": "attention"}))
+    can = types.SimpleNamespace(can_rejoin=True, ctx=cfg)
+    cannot = types.SimpleNamespace(can_rejoin=False, ctx=cfg)
+    assert rejoin.possible(can, ubatched=False)
+    assert not rejoin.possible(can, ubatched=True)
+    assert not rejoin.possible(cannot, ubatched=False)
+    off = types.SimpleNamespace(
+        can_rejoin=True,
+        ctx=types.SimpleNamespace(
+            config=AFDConfig.from_dict({"role": "attention", "rejoin_timeout_s": 0})
+        ),
+    )
+    assert not rejoin.possible(off, ubatched=False)
