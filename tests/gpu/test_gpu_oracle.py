@@ -26,7 +26,7 @@ import torch
 from harness import AfdProc, afd_json, ffn_stopped_counts, free_afd_port
 
 import serve_util as su
-from vllm.afd.ubatch_compat import HAS_V1_RUNNER
+from vllm.afd.ubatch_compat import HAS_V1_RUNNER, HAS_V2_UBATCH_RUNNER
 
 pytestmark = pytest.mark.gpu
 
@@ -203,35 +203,36 @@ def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
 
 
 # Prefill and decode steps of at least 2 tokens are micro-batched (prefills run eagerly,
-# also with FULL_DECODE_ONLY graphs). DBO runs on model runner V1 where vLLM has it
-# (<= 0.33.0; Qwen3-MoE's FLASH_ATTN needs patch 0014 there), else on runner V2 (vLLM
-# 0.34.0: vllm.afd.dbo_v2 through the target's hook patch; its builders are per micro-batch).
-DBO_RUNNER = "v1" if HAS_V1_RUNNER else "v2"
+# also with FULL_DECODE_ONLY graphs), on each model runner of the installed vLLM that
+# micro-batches: V1 up to 0.33.0 (Qwen3-MoE's FLASH_ATTN needs patch 0014 there), V2 from
+# 0.32.0 on (vllm.afd.dbo_v2 through the target's hook patch; the only runner of 0.34.0).
+DBO_RUNNERS = ["v1"] * HAS_V1_RUNNER + ["v2"] * HAS_V2_UBATCH_RUNNER
 
 
+@pytest.mark.parametrize("runner", DBO_RUNNERS)
 @pytest.mark.parametrize("mode", ["eager", "graphs"])
 @pytest.mark.parametrize("name", ["deepseek_v2_mla", "qwen3_moe"])
-def test_gpu_oracle_dbo(name, mode, tmp_path, procs):
+def test_gpu_oracle_dbo(name, mode, runner, tmp_path, procs):
     """--enable-dbo: steps of at least 2 tokens run as two micro-batches whose
     exchanges run on their own streams (cuda_ipc slots); with graphs the
     attention captures micro-batched FULL decode graphs and the FFN rank one
     graph per micro-batched step."""
-    plain = _plain(name, mode, DBO_RUNNER, tmp_path / "plain", procs)
+    plain = _plain(name, mode, runner, tmp_path / "plain", procs)
     ffns: list = []
-    afd = _afd(name, "cuda_ipc", 0, mode, DBO_RUNNER, tmp_path, procs, keep_ffn=ffns,
+    afd = _afd(name, "cuda_ipc", 0, mode, runner, tmp_path, procs, keep_ffn=ffns,
                attn_args=["--enable-dbo", "--dbo-threshold", "2"])
     worst = _compare(plain, afd)
     attn_log = _attn_log(tmp_path)
     assert "running eager" not in attn_log
-    if DBO_RUNNER == "v2":
-        assert "AFD attention role: DBO on model runner V2" in attn_log
+    # The runner asked for is the one that micro-batched (V2: vllm.afd.dbo_v2's runner).
+    assert ("AFD attention role: DBO on model runner V2" in attn_log) == (runner == "v2")
     counts = ffn_stopped_counts(ffns[0])
     # 4 sequences at a time: most steps have >= 2 tokens and are micro-batched.
     assert counts["ubatched"] > counts["steps"] // 2, counts
     if mode == "graphs":
         assert "Capturing CUDA graphs" in attn_log
         assert "captured a CUDA graph for step ('ubatched'" in _ffn_log(tmp_path)
-    print(f"ORACLE {name} cuda_ipc {mode} DBO runner={DBO_RUNNER}: tokens identical, "
+    print(f"ORACLE {name} cuda_ipc {mode} DBO runner={runner}: tokens identical, "
           f"max |logprob diff| {worst:.3g}, {counts}")
 
 

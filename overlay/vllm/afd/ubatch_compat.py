@@ -4,13 +4,18 @@ every vLLM line it is built for (the overlay is shared by all targets).
 
 Upstream changes this module absorbs:
 
+* vLLM 0.32.0 gave model runner V2 a micro-batch runner, ``UBatchRunner``
+  (``vllm/v1/worker/gpu/ubatch_utils.py``), where AFD hooks in through
+  :mod:`vllm.afd.dbo_v2` (patch 0018 of targets 0.32.0 and 0.33.0, 0016 of 0.34.0);
+  :data:`HAS_V2_UBATCH_RUNNER`.
 * vLLM 0.34.0 deleted model runner V1 (``gpu_model_runner.py``,
-  ``cpu_model_runner.py``, ``gpu_ubatch_wrapper.py``): micro-batches run in model
-  runner V2's ``UBatchRunner`` (``vllm/v1/worker/gpu/ubatch_utils.py``, present
-  since 0.32.0), where AFD hooks in through :mod:`vllm.afd.dbo_v2`. On the lines
-  that still have V1 (0.26.0 to 0.33.0) the CPU micro-batch wrapper of
-  :mod:`vllm.afd.dbo` runs with the V1 CPU model runner. :data:`HAS_V1_RUNNER`
-  says which, decided once at import.
+  ``cpu_model_runner.py``, ``gpu_ubatch_wrapper.py``), so runner V2's
+  ``UBatchRunner`` is the only one left. On the lines that still have V1 (0.26.0 to
+  0.33.0) its CUDA ``UBatchWrapper`` micro-batches (patch 0012), and the CPU
+  micro-batch wrapper of :mod:`vllm.afd.dbo` runs with the V1 CPU model runner;
+  :data:`HAS_V1_RUNNER`.
+
+Both are decided once, at import.
 * ``vllm.v1.worker.ubatching`` keeps the micro-batch contexts in module state
   with private names only (``_NUM_UBATCHES``, ``_CURRENT_CONTEXTS``,
   ``_THREAD_ID_TO_CONTEXT``); its public ``make_ubatch_contexts`` builds contexts
@@ -30,6 +35,8 @@ from typing import Any
 
 # Model runner V1 and its CUDA UBatchWrapper exist (vLLM <= 0.33.0).
 HAS_V1_RUNNER = importlib.util.find_spec("vllm.v1.worker.gpu_ubatch_wrapper") is not None
+# Model runner V2 micro-batches with its UBatchRunner (vLLM >= 0.32.0).
+HAS_V2_UBATCH_RUNNER = importlib.util.find_spec("vllm.v1.worker.gpu.ubatch_utils") is not None
 
 
 def ubatch_id() -> int | None:
