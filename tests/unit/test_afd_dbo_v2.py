@@ -236,3 +236,17 @@ def test_upstream_private_micro_batch_names_stay_in_the_compat_module():
         if private.search(line)
     ]
     assert found == []
+
+
+def test_every_runner_v2_hook_patch_calls_what_dbo_v2_offers():
+    import inspect
+
+    root = OVERLAY.parent
+    patches = sorted(root.glob("targets/*/patches/*-worker-DBO-on-model-runner-V2-*.patch"))
+    assert {p.parts[-3] for p in patches} >= {"0.32.0", "0.33.0", "0.34.0"}
+    params = set(inspect.signature(dbo_v2.dispatch).parameters)
+    for p in patches:
+        added = "\n".join(line[1:] for line in p.read_text().splitlines() if line.startswith("+ "))
+        assert "dbo_v2.build_runner(" in added and "afd_dbo.enabled(vllm_config)" in added, p
+        call = added.split("dbo_v2.dispatch(", 1)[1].split(")", 1)[0]
+        assert set(re.findall(r"(\w+)=", call)) <= params, p
