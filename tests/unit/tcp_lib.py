@@ -160,6 +160,24 @@ def wait_peers(ffn, ranks, timeout=5.0):
     return seen
 
 
+def wait_lost(ffn, rank: int, timeout: float = 3.0) -> str:
+    """Serve as the FFN runner does (wait_step; a later micro-batch's control read,
+    the rank dropped when that fails) until the FFN rank has dropped attention rank
+    ``rank``; why it did. A lost rank never raises out of wait_step: the others are
+    served on (issue 21)."""
+    deadline = time.monotonic() + timeout
+    while rank in ffn.peers:
+        assert time.monotonic() < deadline, f"attention rank {rank} not dropped in {timeout} s"
+        for p in ffn.wait_step(0.1):
+            if P.ubatch_of(p.control.flags)[1]:
+                try:
+                    ffn.recv_control(p)
+                except P.AFDPeerError as e:
+                    ffn.drop_peer(p, str(e))
+    assert rank in ffn.lost, f"attention rank {rank} left without a loss (a goodbye?)"
+    return ffn.lost[rank]
+
+
 def step_to_ffn(ffn, att, step_id: int, n: int):
     """Attention begins a step and sends one layer of n random rows; the FFN receives it.
     Returns (step peer, the rows sent, the rows received)."""

@@ -251,3 +251,49 @@ def test_a_ranks_error_word_ends_only_its_own_session(cpu_buffers):
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def test_a_rank_that_joins_again_gets_fresh_buffers(cpu_buffers):
+    """Issue 21: a restarted attention rank handshakes again. It gets new buffers (the
+    previous session's process may still map, and write, the old ones) and a clean error
+    word; the other rank's buffers stay."""
+    conn = _ffn(m=2)
+    conn._make_buffers(torch.device("cpu"))
+    first, other = _join(conn, 0), _join(conn, 1)
+    old = conn.inboxes[0]
+    old.ctrl[ipc.ERR_ROW, 0] = 3  # the lost session's error word
+    again = _join(conn, 0)
+    assert again["status"] == "ok" and conn.generation == 3  # graphs are dropped
+    assert {again["ctrl.ptr"], again["inbox.ptr"]}.isdisjoint(
+        {first["ctrl.ptr"], first["inbox.ptr"]}
+    )
+    box = conn.inboxes[0]
+    assert box.row == old.row and box.ctrl.eq(0).all() and box is not old
+    assert (conn.inboxes[1].ctrl.data_ptr(), conn.inboxes[1].data.data_ptr()) == (
+        other["ctrl.ptr"],
+        other["inbox.ptr"],
+    )
+    third = _join(conn, 0)
+    assert {third["ctrl.ptr"], third["inbox.ptr"]}.isdisjoint(
+        {first["ctrl.ptr"], first["inbox.ptr"], again["ctrl.ptr"], again["inbox.ptr"]}
+    )
+
+
+def test_a_closed_rank_is_dropped_with_its_waits_released_and_the_other_kept(cpu_buffers):
+    """EOF of one rank's socket (its server died) ends that rank's session only: no
+    error out of the poll (before: the FFN rank ended), its device waits poisoned."""
+    conn = _ffn(m=2)
+    conn._make_buffers(torch.device("cpu"))
+    pairs = [socket.socketpair() for _ in range(2)]
+    peers = [Peer(r, pairs[r][0], f"127.0.0.1:{4000 + r}") for r in (0, 1)]
+    conn.peers = {p.rank: p for p in peers}
+    try:
+        pairs[0][1].close()
+        conn._check_sockets(peers)
+        assert set(conn.peers) == {1} and "connection closed" in conn.lost[0]
+        assert conn.inboxes[0].ctrl[0, ipc.C_DATA : ipc.C_DATA + ipc.SLOTS].eq(ipc.POISON).all()
+        assert conn.inboxes[1].ctrl[0, ipc.C_DATA :].ne(ipc.POISON).all()
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()

@@ -32,6 +32,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.dtype, self.hidden_size, self.modules, self.gates = torch.float32, 4, {0: None}, {}
         self.eager, self.captured = [], []
         self.profiler = None
+        self._lost, self.peers_lost = set(), 0
 
     def _step_body(self, ready, capture):
         self.eager.append(tuple((p.rank, p.control.num_tokens) for p in ready))

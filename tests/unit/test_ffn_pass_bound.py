@@ -58,6 +58,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.max_pass_tokens = bound
         self._pending = []
         self.split_steps = 0
+        self._lost, self.peers_lost = set(), 0
 
 
 @pytest.fixture(autouse=True)

@@ -49,6 +49,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.graphs_enabled = False
         self.profiler = None
         self.max_pass_tokens = 64
+        self._lost, self.peers_lost = set(), 0
 
 
 @pytest.fixture(autouse=True)

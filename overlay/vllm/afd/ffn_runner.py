@@ -143,6 +143,10 @@ class FFNModelRunner:
         self.steps_served = 0
         self.batched_steps = 0  # steps that served several attention ranks at once
         self.ubatched_steps = 0  # steps served as micro-batches (DBO)
+        # Attention ranks lost in the round being served (their rows are zeros, their
+        # outputs not sent), and how many sessions were lost so in all.
+        self._lost: set[int] = set()
+        self.peers_lost = 0
         self.gates: dict[int, _GivenRouterLogits] = {}
         self.rank = 0
         self.group = None  # vLLM's tensor-parallel group of an FFN group
@@ -285,6 +289,7 @@ class FFNModelRunner:
                             self.profiler = None
                             logger.warning("AFD FFN role: profiler request failed: %s", e)
                     t0 = time.perf_counter()
+                    self._lost.clear()
                     if self.group is not None:
                         self._serve_group_once(t0)
                         continue
@@ -436,7 +441,10 @@ class FFNModelRunner:
         ubatched = [p for p in ready if ubatch_of(p.control.flags)[1]]
         if ubatched:
             for peer in ubatched:
-                self._run_ubatched(peer)
+                try:
+                    self._run_ubatched(peer)
+                except AFDPeerError as e:
+                    self._lose_peer(peer, e)
             ready = [p for p in ready if not ubatch_of(p.control.flags)[1]]
         passes = split_passes(ready, self.max_pass_tokens)
         if len(passes) > 1:
@@ -461,7 +469,33 @@ class FFNModelRunner:
             return
         transfer, compute = self._step_body(ready, capture=False)
         self._account(ready, compute, transfer)
-        self._maybe_capture(key, sum(c for _, c in key), lambda: self._step_body(ready, True))
+        if not any(p.rank in self._lost for p in ready):
+            self._maybe_capture(key, sum(c for _, c in key), lambda: self._step_body(ready, True))
+
+    # -- the loss of one attention rank ----------------------------------------
+    def _lose_peer(self, peer, error: AFDPeerError) -> None:
+        """``peer`` failed in the round being served. With a connector that survives
+        it, the connector drops that rank (it may connect again) and the round goes
+        on for the other ranks; else the error ends the serve loop."""
+        if not getattr(self.connector, "survives_peer_loss", False):
+            raise error
+        if peer.rank in self._lost:
+            return
+        self._lost.add(peer.rank)
+        self.peers_lost += 1
+        self.connector.drop_peer(peer, str(error))
+
+    def _io(self, call: Callable, peer, t: torch.Tensor) -> bool:
+        """``call(peer, t)`` (the connector's recv or send) unless ``peer`` was lost in
+        this round; False when it is (or becomes) lost."""
+        if peer.rank in self._lost:
+            return False
+        try:
+            call(peer, t)
+            return True
+        except AFDPeerError as e:
+            self._lose_peer(peer, e)
+            return False
 
     def _replay(self, key: tuple, ready, batched: bool = True) -> bool:
         """Replay the FFN graph captured for ``key``; False when there is none."""
@@ -594,6 +628,8 @@ class FFNModelRunner:
         transfer = compute = 0.0
         sync = self._sync_timing and not capture
         for layer_idx, module in self.modules.items():
+            if first.rank in self._lost:
+                break
             for i in range(count):
                 if len(peers) == i:
                     peers.append(self._next_ubatch(first, i, count))
@@ -646,8 +682,11 @@ class FFNModelRunner:
         total = x.shape[0]
         t0 = clock()
         with record_function("afd.recv"):
+            # A rank lost in this round contributes zero rows (its outputs are not sent).
             for i, peer in enumerate(ready):
-                self.connector.recv(peer, x[offsets[i] : offsets[i + 1]])
+                rows = x[offsets[i] : offsets[i + 1]]
+                if not self._io(self.connector.recv, peer, rows):
+                    rows.zero_()
             router = self.gates.get(layer_idx)
             logits = None
             if router is not None:
@@ -655,7 +694,9 @@ class FFNModelRunner:
                     (total, router.num_experts), dtype=torch.float32, device=self.device
                 )
                 for i, peer in enumerate(ready):
-                    self.connector.recv(peer, logits[offsets[i] : offsets[i + 1]])
+                    rows = logits[offsets[i] : offsets[i + 1]]
+                    if not self._io(self.connector.recv, peer, rows):
+                        rows.zero_()
         t1 = clock()
         with record_function("afd.ffn_compute"):
             if gather is not None:
@@ -669,7 +710,8 @@ class FFNModelRunner:
         t2 = clock()
         with record_function("afd.send"):
             for i, peer in enumerate(ready):
-                self.connector.send(peer, y[out_start + offsets[i] : out_start + offsets[i + 1]])
+                rows = y[out_start + offsets[i] : out_start + offsets[i + 1]]
+                self._io(self.connector.send, peer, rows)
         t3 = clock()
         if not capture:
             metrics.STATS.layer(layer_idx, t2 - t1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -131,6 +131,9 @@ class StepPeer:
 
     rank: int
     control: Control
+    # The connection (session) of the rank the step came on: a step never reaches
+    # a later session of the same rank (after a loss and a new handshake).
+    session: object = field(default=None, repr=False, compare=False)
 
 
 class FFNConnector(ABC):
@@ -142,6 +145,12 @@ class FFNConnector(ABC):
     # Bumped whenever an attention rank (re)joins with new device buffers:
     # graphs captured before hold the previous session's addresses.
     generation = 0
+    # True when the loss of an attention rank (EOF, reset, silence, a protocol
+    # error) ends that rank's session only: the connector forgets it, serves the
+    # other ranks on, and takes the rank again on a new handshake (its server
+    # restarted). False: a lost attention rank ends the FFN rank (wait_step, or
+    # the runner on a failed step, raises).
+    survives_peer_loss = False
 
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
@@ -173,6 +182,15 @@ class FFNConnector(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def drop_peer(self, peer: StepPeer, why: str) -> None:
+        """A step of ``peer`` failed (``why``: an AFDPeerError of recv, send or
+        recv_control): end that rank's session (its connection is closed; the
+        rank may handshake again). The runner then finishes the step for the other
+        ranks. Connectors with ``survives_peer_loss = True`` implement it."""
+        raise NotImplementedError(
+            f"the AFD connector {self.ctx.config.connector!r} cannot drop one attention rank"
+        )
 
     def take_profile_requests(self) -> list[bool]:
         """Profiler start (True) / stop (False) requests received since the

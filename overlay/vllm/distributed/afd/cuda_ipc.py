@@ -629,11 +629,26 @@ class IPCFFNConnector(TCPFFNConnector):
         k = len(self.ranks)
         self.counters = torch.zeros((2 * SLOTS * k, ROW), dtype=torch.int64, device=dev)
         for r, rank in enumerate(self.ranks):
-            ctrl = exported_zeros(CTRL_BYTES, dev)
-            data = exported_zeros(SLOTS * self.slot_bytes, dev)
-            desc = _flat({"ctrl": export_buffer(ctrl), "inbox": export_buffer(data)})
-            self.inboxes[rank] = _Inbox(r, ctrl.view(torch.int64).view(CTRL_ROWS, ROW), data,
-                                        desc)  # fmt: skip
+            self.inboxes[rank] = self._new_inbox(r, dev)
+
+    def _new_inbox(self, row: int, dev: torch.device) -> _Inbox:
+        ctrl = exported_zeros(CTRL_BYTES, dev)
+        data = exported_zeros(SLOTS * self.slot_bytes, dev)
+        desc = _flat({"ctrl": export_buffer(ctrl), "inbox": export_buffer(data)})
+        return _Inbox(row, ctrl.view(torch.int64).view(CTRL_ROWS, ROW), data, desc)
+
+    def _session_inbox(self, rank: int) -> _Inbox:
+        """The buffers of a new session of ``rank``: its first session takes those
+        made at start; a rank that joins again (its server restarted) gets fresh
+        ones, so that nothing the previous session's process may still write (it
+        maps the old ones) reaches the new session, and a fresh error word. The old
+        ones are never handed out again: each buffer has a memory pool of its own
+        (exported_zeros), which no later allocation draws from."""
+        box = self.inboxes[rank]
+        if box.flags is None:
+            return box
+        self.inboxes[rank] = self._new_inbox(box.row, self.ctx.device)
+        return self.inboxes[rank]
 
     def _counter(self, box: _Inbox, slot: int, sent: bool) -> torch.Tensor:
         return self.counters[2 * (box.row * SLOTS + slot) + int(sent)]
@@ -642,7 +657,7 @@ class IPCFFNConnector(TCPFFNConnector):
         """Map the attention rank's buffers and give it its own (handshake thread)."""
         if self.ctx.device.type == "cuda":
             torch.accelerator.set_device_index(self.ctx.device.index or 0)
-        box = self.inboxes[rank]
+        box = self._session_inbox(rank)
         deadline = time.monotonic() + min(10.0, self.timeout)
         n = unpack_hello_preamble(_recv_bytes(sock, HELLO_PREAMBLE.size, deadline, addr))
         remote = parse_hello(_recv_bytes(sock, n, deadline, addr))
@@ -698,19 +713,12 @@ class IPCFFNConnector(TCPFFNConnector):
             time.sleep(20e-6)
 
     def _check_sockets(self, peers: list[_Peer]) -> None:
-        """Heartbeats, goodbyes and profiler requests; steps come by device."""
-        try:
-            steps = self._read_sockets(peers, 0)
-        except AFDPeerError:
-            self.poison()  # a silent peer: release this rank's device waits
-            raise
-        for step in steps:
+        """Heartbeats, goodbyes and profiler requests; steps come by device. A lost
+        (closed, silent) rank is dropped there, its device waits released."""
+        for step in self._read_sockets(peers, 0):
             p = next(p for p in peers if p.rank == step.rank)
-            self._drop(p)
-            raise AFDPeerError(
-                f"AFD {p.name} broke the protocol: step control over TCP with the cuda_ipc "
-                "connector"
-            )
+            self._lose(p, f"AFD {p.name} broke the protocol: step control over TCP with "
+                       "the cuda_ipc connector")  # fmt: skip
 
     def _device_ready(self, peers: list[_Peer]) -> list[StepPeer]:
         """The new control messages of ``peers``: one small copy of each rank's
@@ -739,20 +747,21 @@ class IPCFFNConnector(TCPFFNConnector):
         """Release this rank's device waits and close its connection (its
         attention server sees EOF and ends); the FFN rank serves the others."""
         logger.error("AFD: %s; its session ends, the other attention ranks are served on", why)
-        self.poison([box])
-        self._drop(p)
+        self._lose(p, why)
+
+    def _release(self, p: _Peer) -> None:
+        self.poison([self.inboxes[p.rank]])
 
     def _new_step(self, p: _Peer, box: _Inbox, row: list[int]) -> StepPeer | None:
         """The step ``row`` (a host copy of the rank's control row) announces,
-        None when there is none; AFDPeerError for a broken protocol."""
+        None when there is none (also when a broken protocol drops the rank)."""
         flag = row[C_FLAG]
         if flag <= box.seen or row[C_SEQ] != flag:
             return None  # nothing new, or the payload is not visible yet
         if flag != box.seen + 1:
-            self._drop(p)
-            raise AFDPeerError(
-                f"AFD {p.name} broke the protocol: control message {flag} after {box.seen}"
-            )
+            self._lose(p, f"AFD {p.name} broke the protocol: control message {flag} after "
+                       f"{box.seen}")  # fmt: skip
+            return None
         box.seen = flag
         ctrl = Control(MSG_STEP, flag, row[C_TOKENS], row[C_FLAGS])
         index, count = ubatch_of(ctrl.flags)
@@ -767,10 +776,10 @@ class IPCFFNConnector(TCPFFNConnector):
         elif ctrl.flags and (index != 0 or not 2 <= count <= SLOTS):
             bad = f"step opened as micro-batch {index} of {count} (slots: {SLOTS})"
         if bad is not None:
-            self._drop(p)
-            raise AFDPeerError(f"AFD {p.name} broke the protocol: {bad}")
+            self._lose(p, f"AFD {p.name} broke the protocol: {bad}")
+            return None
         box.recv_off = [0] * SLOTS
-        return StepPeer(p.rank, ctrl)
+        return StepPeer(p.rank, ctrl, p)
 
     def recv_control(self, peer: StepPeer) -> Control:
         """The next micro-batch of the DBO step ``peer`` opened, from the token

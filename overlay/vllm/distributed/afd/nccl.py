@@ -80,6 +80,10 @@ class NCCLAttentionConnector(TCPAttentionConnector):
 
 class NCCLFFNConnector(TCPFFNConnector):
     dbo_capable = False
+    # The NCCL group cannot be formed again with a restarted attention rank (see
+    # _admit), and a receive from a dead member cannot be cancelled: a lost
+    # attention rank ends the FFN rank, as before.
+    survives_peer_loss = False
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)

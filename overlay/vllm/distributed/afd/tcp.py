@@ -595,6 +595,8 @@ class TCPAttentionConnector(AttentionConnector):
 
 class TCPFFNConnector(FFNConnector):
     dbo_capable = True
+    # A lost attention rank ends its own session only; the rank may connect again.
+    survives_peer_loss = True
     # A rank that had a step within ACTIVE_S is waited for (up to the batch
     # window, connector_extra_config.batch_window_ms, default 5) to join a step.
     ACTIVE_S = 1.0
@@ -621,6 +623,7 @@ class TCPFFNConnector(FFNConnector):
         self._started_at = 0.0
         self._ever_complete = False
         self._last_refusal: str | None = None  # named in the start-up timeout error
+        self.lost: dict[int, str] = {}  # why each attention rank's last session ended
         self._accept_thread: threading.Thread | None = None
         self._profile_requests: list[bool] = []
         self._handshakes = 0  # in progress (guarded by _hs_lock)
@@ -988,14 +991,19 @@ class TCPFFNConnector(FFNConnector):
         ready_socks = readable([p.sock for p in peers], timeout)
         ready: list[StepPeer] = []
         for p in peers:
-            if any(s is p.sock for s in ready_socks):
-                ctrl = self._read_control(p)
-                if ctrl is None:
-                    continue
-                ready.append(StepPeer(p.rank, ctrl))
-            elif time.monotonic() - p.last_seen > self.timeout:
-                self._drop(p)
-                raise AFDPeerError(f"lost AFD {p.name}: nothing received for {self.timeout:g} s")
+            try:
+                if any(s is p.sock for s in ready_socks):
+                    ctrl = self._read_control(p)
+                    if ctrl is not None:
+                        ready.append(StepPeer(p.rank, ctrl, p))
+                elif time.monotonic() - p.last_seen > self.timeout:
+                    raise AFDPeerError(
+                        f"lost AFD {p.name}: nothing received for {self.timeout:g} s"
+                    )
+            except AFDPeerError as e:
+                self._lose(p, str(e))
+                if not self.survives_peer_loss:
+                    raise
         return ready
 
     def _read_control(self, p: Peer) -> Control | None:
@@ -1003,8 +1011,7 @@ class TCPFFNConnector(FFNConnector):
         try:
             ctrl = Control.unpack(data, self.ctx.max_num_tokens)
             p.check_step(ctrl)
-        except AFDProtocolError as e:
-            self._drop(p)
+        except AFDProtocolError as e:  # the session ends (the caller drops it)
             raise AFDPeerError(f"AFD {p.name} broke the protocol: {e}") from e
         p.last_seen = time.monotonic()
         if ctrl.type == MSG_HEARTBEAT:
@@ -1042,18 +1049,47 @@ class TCPFFNConnector(FFNConnector):
             connected = set(self.peers)
         return {f"attention_rank_{r}": r in connected for r in sorted(self.expected)}
 
-    def _drop(self, p: Peer) -> None:
+    def _drop(self, p: Peer) -> bool:
+        """Forget this session of a rank and close it; True when it was current."""
         with self._lock:
-            if self.peers.get(p.rank) is p:
+            current = self.peers.get(p.rank) is p
+            if current:
                 del self.peers[p.rank]
         try:
             p.sock.close()
         except OSError:
             pass
+        return current
+
+    def _lose(self, p: Peer, why: str) -> None:
+        """The session ``p`` failed: drop it (the rank may connect again). Runs in
+        the serve thread, the only one that removes peers: a session still current
+        here cannot be replaced by a new handshake of its rank meanwhile."""
+        if self.peers.get(p.rank) is not p:
+            self._drop(p)
+            return  # dropped before (a goodbye, or this loss was seen already)
+        self._release(p)
+        self._drop(p)
+        self.lost[p.rank] = why
+        if self.survives_peer_loss:
+            logger.warning(
+                "AFD: FFN rank %d lost attention rank %d (%s); serving the other attention "
+                "ranks, rank %d is taken again when its server reconnects",
+                self.ctx.rank, p.rank, why, p.rank,
+            )  # fmt: skip
+
+    def _release(self, p: Peer) -> None:
+        """Before a lost session is dropped: free what its rank's steps may still
+        wait on (none here)."""
+
+    def drop_peer(self, peer: StepPeer, why: str) -> None:
+        p = peer.session if isinstance(peer.session, Peer) else self.peers.get(peer.rank)
+        if p is not None:
+            self._lose(p, why)
 
     def _peer(self, step_peer: StepPeer) -> Peer:
         p = self.peers.get(step_peer.rank)
-        if p is None:
+        if p is None or step_peer.session not in (None, p):
             raise AFDPeerError(f"lost AFD attention rank {step_peer.rank} during a step")
         return p
 

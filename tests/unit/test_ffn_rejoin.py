@@ -1,0 +1,237 @@
+"""The FFN side of issue 21: an FFN rank survives the loss of one attention rank.
+
+Over real sockets on 127.0.0.1 (the TCP connector, tcp_lib's fakes) and with the FFN
+model runner's step loop: a lost attention rank (EOF, reset, a protocol error, between
+steps or in the middle of a step that other ranks share) is dropped, the other ranks are
+served on - a step in flight included, with the right outputs - and the rank is taken
+again on a new handshake of the same rank id (its server restarted). A rejoin of another
+deployment (fingerprint) or of a rank still connected is refused; an nccl FFN rank still
+ends (its NCCL group cannot be formed again)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import tcp_lib
+import test_nccl_connector
+import torch
+from tcp_lib import HIDDEN, Bg, kill, wait_lost, wait_peers, wait_until
+
+from serve_util import free_port
+from vllm.afd import ffn_runner
+from vllm.afd import protocol as P
+from vllm.distributed.afd import tcp
+from vllm.distributed.afd.base import StepPeer
+
+net = tcp_lib.net  # the fixture
+group = test_nccl_connector.group  # the fixture: an nccl FFN rank and its two ranks
+
+
+def attention(net, port: int, rank: int, **kw) -> tcp.TCPAttentionConnector:
+    """An attention rank whose process can die: no heartbeat thread (which would notice
+    the loss and reconnect on its own); the tests here are shorter than timeout_s."""
+    att = net.attention(port, rank=rank, m=2, **kw)
+    att._heartbeat_loop = lambda: None
+    return att
+
+
+def two_ranks(net, timeout: float = 5.0):
+    port = free_port()
+    ffn = net.ffn(port, m=2, timeout=timeout)
+    ffn.start()
+    atts = [attention(net, port, r, timeout=timeout) for r in (0, 1)]
+    for a in atts:
+        Bg(a.connect).get()
+    wait_until(lambda: set(ffn.peers) == {0, 1}, what="both ranks accepted")
+    return port, ffn, atts
+
+
+def serve_step(ffn, att, step_id: int, n: int = 2) -> None:
+    """One single-layer step of ``att``, answered by the FFN rank with x + 1."""
+    att.begin_step(step_id, n)
+    (peer,) = wait_peers(ffn, [att.ctx.rank]).values()
+    x = torch.randn(n, HIDDEN)
+    att.send(x)
+    buf = torch.empty(n, HIDDEN)
+    ffn.recv(peer, buf)
+    ffn.send(peer, buf + 1)
+    assert torch.equal(att.recv(torch.empty(n, HIDDEN)), x + 1)
+    att.end_step()
+
+
+@pytest.mark.parametrize("rst", [True, False], ids=["reset", "fin"])
+def test_a_lost_rank_is_dropped_and_the_other_served_on(net, rst):
+    _, ffn, (att0, att1) = two_ranks(net)
+    serve_step(ffn, att1, 1)
+    kill(att1.sock, rst)
+    t0 = time.monotonic()
+    assert "lost AFD peer attention rank 1 at 127.0.0.1:" in wait_lost(ffn, 1)
+    assert time.monotonic() - t0 < 1.5  # EOF or reset at once, not after timeout_s
+    assert ffn.peer_states() == {"attention_rank_0": True, "attention_rank_1": False}
+    serve_step(ffn, att0, 1)
+    serve_step(ffn, att0, 2)
+
+
+def test_the_same_rank_is_taken_again_after_its_server_restarts(net):
+    port, ffn, (att0, att1) = two_ranks(net)
+    serve_step(ffn, att1, 7)
+    kill(att1.sock, rst=True)
+    t_lost = time.monotonic()
+    wait_lost(ffn, 1)
+    again = attention(net, port, 1)  # the restarted server: step ids start again
+    Bg(again.connect).get()
+    wait_until(lambda: 1 in ffn.peers, what="rank 1 accepted again")
+    took = time.monotonic() - t_lost
+    print(f"attention rank 1: lost -> accepted again in {took * 1e3:.0f} ms")
+    assert ffn.peer_states() == {"attention_rank_0": True, "attention_rank_1": True}
+    serve_step(ffn, again, 1)
+    serve_step(ffn, att0, 1)
+    # and lost again, taken again: as often as it restarts
+    kill(again.sock, rst=False)
+    wait_lost(ffn, 1)
+    third = attention(net, port, 1)
+    Bg(third.connect).get()
+    wait_until(lambda: 1 in ffn.peers, what="rank 1 accepted a third time")
+    serve_step(ffn, third, 1)
+
+
+def test_a_protocol_error_drops_only_that_rank(net):
+    _, ffn, (att0, att1) = two_ranks(net)
+    att1.begin_step(5, 1)
+    wait_peers(ffn, [1])
+    with att1._lock:  # a second step id 5: the stream is out of step
+        att1.sock.sendall(P.Control(P.MSG_STEP, 5, 1).pack())
+    assert "broke the protocol: step id 5 after step 5" in wait_lost(ffn, 1)
+    serve_step(ffn, att0, 1)
+
+
+def test_a_rejoin_of_another_deployment_is_refused(net):
+    port, ffn, (att0, att1) = two_ranks(net)
+    kill(att1.sock, rst=True)
+    wait_lost(ffn, 1)
+    other = attention(net, port, 1, afd_revision="another-build")
+    with pytest.raises(P.AFDHandshakeError, match="fingerprint mismatch on 'afd_revision'"):
+        Bg(other.connect).get()
+    assert 1 not in ffn.peers
+    serve_step(ffn, att0, 1)
+
+
+def test_a_rank_still_connected_cannot_be_replaced(net):
+    """A hello is not proof of anything without a shared secret: a second session of a
+    live rank is refused (the attention side retries it while rejoining), the first one
+    is served on."""
+    port, ffn, (att0, att1) = two_ranks(net)
+    dup = attention(net, port, 1)
+    with pytest.raises(P.AFDHandshakeError, match="attention rank 1 is already connected"):
+        Bg(dup.connect).get()
+    serve_step(ffn, att1, 1)
+
+
+def test_an_nccl_ffn_rank_still_ends_when_a_rank_is_lost(group):
+    _, ffn, (att0, att1), _ = group
+    kill(att1.sock, rst=True)
+    t0 = time.monotonic()
+    with pytest.raises(P.AFDPeerError, match="lost AFD peer attention rank 1"):
+        while time.monotonic() - t0 < 3:
+            ffn.wait_step(0.1)
+    assert not ffn.survives_peer_loss
+
+
+# ------------------------------------------------------- the runner's step in flight
+class _Runner(ffn_runner.FFNModelRunner):
+    """The serve loop's step code with two layers (layer i: x * 10 + i); no model."""
+
+    def __init__(self, conn, layers: int = 2):
+        self.connector = conn
+        self.modules = {i: (lambda x, i=i: x * 10 + i) for i in range(layers)}
+        self.gates = {}
+        self.dtype, self.hidden_size, self.device = torch.float32, HIDDEN, torch.device("cpu")
+        self.vllm_config = None
+        self._sync_timing = False
+        self.steps_served = self.batched_steps = self.ubatched_steps = 0
+        self.graphs_enabled = False
+        self.profiler = None
+        self.max_pass_tokens = 64
+        self._pending, self.split_steps = [], 0
+        self._lost, self.peers_lost = set(), 0
+
+
+@pytest.fixture(autouse=True)
+def _no_forward_context(monkeypatch):
+    import vllm.forward_context as fc
+
+    monkeypatch.setattr(fc, "set_forward_context", lambda *a, **k: contextlib.nullcontext())
+
+
+@pytest.mark.parametrize("at", ["recv", "send"])
+def test_a_step_in_flight_goes_on_for_the_other_rank(net, at):
+    """Both ranks share one FFN pass; rank 1 dies after layer 0 (before sending layer 1's
+    input, or before reading layer 0's output): rank 0 gets every layer's right output,
+    rank 1 is dropped, and the next round serves rank 0 alone."""
+    _, ffn, (att0, att1) = two_ranks(net)
+    runner = _Runner(ffn)
+    for a in (att0, att1):
+        a.begin_step(1, 2)
+    ready = sorted(wait_peers(ffn, [0, 1]).values(), key=lambda p: p.rank)
+    step = Bg(runner._run_step, ready)
+    x0, x1 = torch.randn(2, HIDDEN), torch.randn(2, HIDDEN)
+    att0.send(x0)
+    att1.send(x1)
+    y0 = att0.recv(torch.empty(2, HIDDEN))
+    if at == "send":
+        kill(att1.sock, rst=True)
+    else:
+        assert torch.allclose(att1.recv(torch.empty(2, HIDDEN)), x1 * 10)
+    att0.send(y0)
+    if at == "recv":
+        kill(att1.sock, rst=True)
+    out = att0.recv(torch.empty(2, HIDDEN))
+    att0.end_step()
+    step.get()
+    assert torch.allclose(y0, x0 * 10) and torch.allclose(out, x0 * 100 + 1)
+    assert runner.peers_lost == 1 and runner._lost == {1}
+    assert 1 not in ffn.peers and "attention rank 1" in ffn.lost[1]
+    runner._lost.clear()  # the serve loop's next round
+    att0.begin_step(2, 3)
+    (peer,) = wait_peers(ffn, [0]).values()
+    step = Bg(runner._run_step, [peer])
+    x = torch.randn(3, HIDDEN)
+    att0.send(x)
+    att0.send(att0.recv(torch.empty(3, HIDDEN)))
+    assert torch.allclose(att0.recv(torch.empty(3, HIDDEN)), x * 100 + 1)
+    att0.end_step()
+    step.get()
+
+
+def test_a_rank_lost_in_its_micro_batched_step_leaves_the_plain_step_served():
+    """DBO: the later micro-batch's control of rank 0 fails (its session is gone); the
+    runner drops rank 0 and serves rank 1's plain step of the same round."""
+
+    class Conn:
+        survives_peer_loss = True
+
+        def __init__(self):
+            self.sent, self.dropped = [], []
+
+        def recv_control(self, peer):
+            raise P.AFDPeerError("lost AFD peer attention rank 0: connection closed")
+
+        def recv(self, peer, out):
+            out.fill_(peer.rank + 1)
+
+        def send(self, peer, y):
+            self.sent.append((peer.rank, y[0, 0].item()))
+
+        def drop_peer(self, peer, why):
+            self.dropped.append((peer.rank, why))
+
+    conn = Conn()
+    runner = _Runner(conn, layers=1)
+    dbo = P.Control(P.MSG_STEP, 4, 2, P.ubatch_flags(0, 2))
+    runner._run_step([StepPeer(0, dbo), StepPeer(1, P.Control(P.MSG_STEP, 9, 3))])
+    assert conn.dropped == [(0, "lost AFD peer attention rank 0: connection closed")]
+    # rank 0's first micro-batch was served before its second control failed
+    assert conn.sent == [(0, 10.0), (1, 20.0)]
+    assert runner._lost == {0} and runner.peers_lost == 1
