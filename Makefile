@@ -41,8 +41,8 @@ fetch: ## download (or reuse from cache) the pinned sdist and wheels, sha256-che
 apply-patches: ## pinned vLLM source + overlay + patches/series -> build/vllm (git repo)
 	$(AFD) apply $(TARGET_ARGS)
 
-export-patches: ## commits after the overlay commit in build/vllm -> patches/ and overlay/
-	$(AFD) export $(TARGET_ARGS)
+export-patches: ## commits after the overlay commit in build/vllm -> patches/ and overlay/ (EXPORT_ARGS=--patches-only)
+	$(AFD) export $(TARGET_ARGS) $(EXPORT_ARGS)
 
 check: ## series applies strictly, re-export byte-identical, headers, prefixes compile; docs/upstream-status.md current
 	$(AFD) check $(TARGET_ARGS)

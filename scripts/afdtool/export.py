@@ -79,7 +79,33 @@ def require_exportable(tree: Path) -> None:
                        f"({merges.split()[0][:12]}); linearize the history (git rebase)")
 
 
-def export(repo: Target, tree: Path, force: bool = False) -> list[str]:
+def tree_overlay(tree: Path, dest: Path) -> Path:
+    """The overlay `tree` was built with (the files afd/overlay adds to afd/base) -> dest."""
+    base = ls_tree_files(tree, BASE_TAG)
+    for rel, mode in ls_tree_files(tree, OVERLAY_TAG).items():
+        if rel in base:
+            continue
+        dst = dest / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(run_git(tree, "show", f"{OVERLAY_TAG}:{rel}").stdout)
+        os.chmod(dst, 0o755 if mode == "100755" else 0o644)
+    return dest
+
+
+def export_patches_only(repo: Target, tree: Path, force: bool = False) -> list[str]:
+    """Export the patches alone: overlay/ is neither compared with the tree's nor written (it
+    is shared by every target and may have moved on since the tree was built)."""
+    with tempfile.TemporaryDirectory(prefix="afd-export-overlay-") as scratch:
+        changes = export(repo.with_overlay(tree_overlay(tree, Path(scratch))), tree, force,
+                         patches_only=True)
+    left = [c for c in changes if " overlay/" in c]
+    if left:
+        print("note: overlay/ NOT written (--patches-only); the tree changed: "
+              + ", ".join(c.split(" ", 1)[1] for c in left))
+    return [c for c in changes if " overlay/" not in c]
+
+
+def export(repo: Target, tree: Path, force: bool = False, patches_only: bool = False) -> list[str]:
     """Export; returns the list of human-readable changes (empty = nothing changed)."""
     require_exportable(tree)
     state = read_state(tree) or {}
@@ -102,7 +128,8 @@ def export(repo: Target, tree: Path, force: bool = False) -> list[str]:
         # since) is not user work; anything else uncommitted in patches/ or overlay/ is.
         own_output = state.get("by") == "export"
         if (repo.root / ".git").exists() and not own_output:
-            dirty = status_porcelain(repo.root, repo.patches_label, "overlay")
+            dirty = status_porcelain(repo.root, repo.patches_label,
+                                     *(() if patches_only else ("overlay",)))
             if dirty:
                 raise AfdError(
                     f"{repo.root} has uncommitted changes in patches/ or overlay/ that an export "
@@ -188,12 +215,18 @@ def export(repo: Target, tree: Path, force: bool = False) -> list[str]:
 def add_arguments(parser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="overwrite uncommitted/unapplied changes in patches/ and overlay/")
+    parser.add_argument("--patches-only", action="store_true",
+                        help="write the target's patches only; overlay/ (shared by every "
+                        "target) is neither written nor compared with the tree's")
 
 
 def run(args) -> int:
     repo = args.target
     tree = repo.tree
-    changes = export(repo, tree, force=args.force)
+    if args.patches_only:
+        changes = export_patches_only(repo, tree, force=args.force)
+    else:
+        changes = export(repo, tree, force=args.force)
     if changes:
         print("\n".join(changes))
         print(f"exported {tree} -> {repo.patches_label} ({len(changes)} change(s))")

@@ -51,6 +51,10 @@ BACKUP_NS = "refs/afd-backup/"
 OLD_BASE_REF = "refs/afd-rebase/old-base"
 AM_BASE = ("am", "-q", "--keep", "--whitespace=nowarn", "--committer-date-is-author-date",
            "--no-gpg-sign")
+# The three-way fallback without rename detection: a file upstream deleted must stop as a
+# modify/delete of that file, not be merged into whichever new file resembles it (vLLM
+# 0.34.0 deleted olmoe.py, and git merged the OLMoE hunks into gemma2.py).
+AM_3WAY = ("-c", "merge.renames=false", *AM_BASE, "-3")
 
 
 # ---------------------------------------------------------------- replaying one patch
@@ -102,7 +106,7 @@ def try_patch(tree: Path, patch: Path) -> str:
                         "--stdout", "-1", "HEAD")
             return "clean" if hunk_positions(again) == mine else "offset"
         abort_am(tree)
-    proc = run_git(tree, *AM_BASE, "-3", str(patch), check=False)
+    proc = run_git(tree, *AM_3WAY, str(patch), check=False)
     if proc.returncode == 0:
         return "three-way" if rev_parse(tree, "HEAD") != head else "empty"
     if am_in_progress(tree) and not unmerged(tree) and not status_porcelain(tree):

@@ -1,11 +1,15 @@
-"""`afdtool rebase-report`: try a target's series on every newer release -> markdown.
+"""`afdtool rebase-report`: try the carried series on the upstream releases -> markdown.
 
-The series is that of `--target Y` (default: the newest carried target). Each release is tried in
-a temporary tree (base = sdist, the overlay commit, then each patch alone) and its overlay drift
-counted. Results are cached per release and series revision under `<cache>/report/`, so a second
-run only redoes releases whose inputs changed (no sdist fetch for a cached release).
-`--verify` (part of `make check`) fails when the committed report is stale: written for another
-target than the newest carried one, or for another revision of its series.
+Default: every release newer than the oldest carried line (the primary pin) is tried with the
+series `make rebase VLLM_VERSION=R` would start from, the newest carried target older than R
+(0.27.0 ... 0.32.0 from 0.26.0, 0.33.0 from 0.32.0, ..., and every release newer than the newest
+target from the newest); a carried release so shows what porting it cost. `--target Y` tries Y's
+series alone on every release newer than Y. Each release is tried in a temporary tree (base =
+sdist, the overlay commit, then each patch alone) and its overlay drift counted. Results are
+cached per release and series revision under `<cache>/report/`, so a second run only redoes
+releases whose inputs changed (no sdist fetch for a cached release). `--verify` (part of `make
+check`) fails when the committed report is stale: not made by the default run for the newest
+carried target, or made for another revision of one of the carried series.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .apply import commit_overlay, init_tree, prepare_base
@@ -28,10 +32,11 @@ from .pin import cache_dir
 from .rebase import abort_am, seed_old_objects, try_patch
 from .revision import series_digest
 from .series import overlay_files, read_series, require_clean_series
-from .targets import Target, newest_carried, vkey
+from .targets import Target, carried, newest_carried, resolve, vkey
 
-CACHE_FORMAT = 1
-MARKER_RE = re.compile(r"<!-- afd-rebase-report target=(\S+) series=([0-9a-f]+) -->")
+CACHE_FORMAT = 2  # 2: three-way merges without rename detection (rebase.AM_3WAY)
+MARKER_RE = re.compile(
+    r"<!-- afd-rebase-report target=(\S+) series=([0-9a-f]+)(?: from=(\S+))? -->")
 SERIES_REV_LEN = 12
 
 
@@ -63,6 +68,14 @@ def try_series(src: Target, patches: list[Path], old_pristine: Path, pristine: P
 def series_revision(target: Target) -> str:
     """The revision of a target's series (series file + listed patches; not overlay/)."""
     return series_digest(target.patches)[:SERIES_REV_LEN]
+
+
+def report_revision(starts: list[Target]) -> str:
+    """The revision of a report: its starting series (one, or every carried one)."""
+    if len(starts) == 1:
+        return series_revision(starts[0])
+    doc = [[t.version, series_revision(t)] for t in starts]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:SERIES_REV_LEN]
 
 
 def _digest(doc) -> str:
@@ -150,117 +163,191 @@ def releases_to_do(src: Target, releases: list[str] | None, available: list[str]
     return [v for v in available if vkey(v) > vkey(src.version)]
 
 
-def rebase_report(src: Target, releases: list[str] | None, out: Path | None,
-                  cache_directory: Path | None = None) -> int:
-    patches = require_clean_series(src, read_series(src))
-    files = index_files("vllm")
-    todo = releases_to_do(src, releases, index_releases(files))
-    if not todo:
-        print(f"no release newer than {src.version} on the index")
+def plan(src: Target, chain: bool, releases: list[str] | None,
+         available: list[str]) -> list[tuple[Target, list[str]]]:
+    """(starting target, its releases), oldest first. `chain`: each release from the newest
+    carried target older than it (the default); else `src` for all."""
+    if not chain:
+        return [(src, releases_to_do(src, releases, available))]
+    lines = carried(src.root)
+    todo = releases_to_do(resolve(src.root, lines[0]), releases, available)
+    groups: dict[str, list[str]] = {} if releases else {lines[-1]: []}
+    for v in todo:
+        groups.setdefault(newest_carried(src.root, below=v), []).append(v)
+    return [(resolve(src.root, v), groups[v]) for v in sorted(groups, key=vkey)]
+
+
+@dataclass
+class Group:
+    """One starting series and its releases' results."""
+
+    src: Target
+    patches: list[Path]
+    todo: list[str]
+    columns: dict = field(default_factory=dict)
+    drifts: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)
+    cached: list = field(default_factory=list)
+
+
+def run_group(src: Target, todo: list[str], files: dict, cache_directory: Path | None) -> Group:
+    g = Group(src, require_clean_series(src, read_series(src)), todo)
     cache, bases = ReportCache(src, cache_directory), Bases(src)
-    columns, drifts, timing, cached = {}, {}, {}, []
-    for i, v in enumerate(todo, 1):
+    for v in todo:
         values = release_pin(v, files=files, need_wheels=False)
-        columns[v], drifts[v], timing[v], hit = one_release(src, patches, cache, bases, v, values)
+        g.columns[v], g.drifts[v], g.timing[v], hit = one_release(src, g.patches, cache, bases,
+                                                                  v, values)
         if hit:
-            cached.append(v)
-        log(f"[{i}/{len(todo)}] {v}: " + ", ".join(columns[v]) + f"; drift {len(drifts[v])}; "
-            + ("cached" if hit else f"{sum(timing[v]):.1f}s"))
-    text = report_markdown(src, patches, todo, columns, drifts, timing, cached)
+            g.cached.append(v)
+        log(f"[{src.version} -> {v}]: " + ", ".join(g.columns[v])
+            + f"; drift {len(g.drifts[v])}; "
+            + ("cached" if hit else f"{sum(g.timing[v]):.1f}s"))
+    return g
+
+
+def rebase_report(src: Target, releases: list[str] | None, out: Path | None,
+                  cache_directory: Path | None = None, chain: bool = False) -> int:
+    files = index_files("vllm")
+    groups = [run_group(t, todo, files, cache_directory)
+              for t, todo in plan(src, chain, releases, index_releases(files))]
+    if not any(g.todo for g in groups):
+        print(f"no release newer than {src.version} on the index")
+    text = report_markdown(groups, chain)
+    total = sum(len(g.todo) for g in groups)
+    hits = sum(len(g.cached) for g in groups)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
-        print(f"wrote {out} ({len(cached)} of {len(todo)} release(s) from the cache)")
+        print(f"wrote {out} ({hits} of {total} release(s) from the cache)")
     else:
         print(text)
     return 0
 
 
-def report_markdown(src: Target, patches, todo, columns, drifts, timing, cached=()) -> str:
+CELLS_TEXT = (
+    "Cells: `clean` applies exactly; `offset` applies with line offsets only; `three-way` needs"
+    " `git am -3` (merges cleanly); `conflict` needs a manual resolution; `empty` upstream"
+    " already contains the change; `(after-conflict)` the result with the conflicting patch"
+    " skipped, so it may differ once that conflict is resolved."
+)
+
+
+def report_markdown(groups: list[Group], chain: bool = False) -> str:
+    starts = [g.src for g in groups]
+    newest = starts[-1]
+    rev = report_revision(starts)
+    froms = ",".join(t.version for t in starts)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if chain:
+        what = (f"for every final release with an sdist on the package index newer than"
+                f" {starts[0].version}, each tried with the series `make rebase VLLM_VERSION=R`"
+                " starts from: the newest carried target older than it (for a carried release,"
+                " what porting it cost before any hand resolution)")
+    else:
+        what = (f"for the series of target {newest.version} alone (`--target`), against every"
+                " newer final release with an sdist on the package index")
     lines = [
         "# Upstream status of the AFD patch series",
         "",
-        f"<!-- afd-rebase-report target={src.version} series={series_revision(src)} -->",
+        f"<!-- afd-rebase-report target={newest.version} series={rev} from={froms} -->",
         "",
-        f"Generated by `make rebase-report` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
-        f" for the series of target {src.version} ({src.patches_label}, {len(patches)} patches,"
-        f" series revision {series_revision(src)}), against every newer final release with an"
-        " sdist on the package index. Each release is tried in a temporary tree (base = sdist,"
-        " the overlay commit, then each patch alone). Regenerate with `make rebase-report`"
-        " (incremental: unchanged releases come from the cache); `make check` fails when this"
-        " file was made for another series revision or another target than the newest carried"
-        " one. See docs/rebasing.md.",
+        f"Generated by `make rebase-report` on {when} {what}. Each release is tried in a"
+        " temporary tree (base = sdist, the overlay commit, then each patch alone)."
+        " Regenerate with `make rebase-report` (incremental: unchanged releases come from the"
+        " cache); `make check` fails when this file was not made that way for the newest carried"
+        f" target or when one of its series changed (report revision {rev}). See"
+        " docs/rebasing.md.",
         "",
-        "Cells: `clean` applies exactly; `offset` applies with line offsets only; `three-way` needs"
-        " `git am -3` (merges cleanly); `conflict` needs a manual resolution; `empty` upstream"
-        " already contains the change; `(after-conflict)` the result with the conflicting patch"
-        " skipped, so it may differ once that conflict is resolved.",
+        CELLS_TEXT,
         "",
-        "| patch | " + " | ".join(todo) + " |",
-        "|---|" + "---|" * len(todo),
     ]
-    for i, p in enumerate(patches):
-        lines.append(f"| {p.name} | " + " | ".join(columns[v][i] for v in todo) + " |")
-    lines.append("| **overlay drift findings** | "
-                 + " | ".join(str(len(drifts[v])) for v in todo) + " |")
-    lines += ["", "## Overlay drift", "",
-              "`afdtool drift --to X`: static AST check of the overlay's `vllm` imports, attribute"
-              " uses of imported vllm modules and keyword calls against release X (a module"
-              f" deleted, a name that resolves in {src.version} but not in X, or a parameter list"
-              " changed other than by added optional parameters).", ""]
-    for v in todo:
-        lines.append(f"### {v}: {len(drifts[v])} finding(s)")
-        lines.append("")
-        for name, where, status in drifts[v][:40]:
-            lines.append(f"- `{name}` ({where}): {status}")
-        if len(drifts[v]) > 40:
-            lines.append(f"- ... {len(drifts[v]) - 40} more (`make drift VLLM_VERSION={v}`)")
-        if drifts[v]:
-            lines.append("")
-    lines += ["## Timing per release", "",
-              "| release | fetch + unpack (s) | series (s) | drift (s) | total (s) |",
-              "|---|---|---|---|---|"]
-    for v in todo:
-        if v in cached:
-            lines.append(f"| {v} | cached | cached | cached | cached |")
-            continue
-        a, b, c = timing[v]
-        lines.append(f"| {v} | {a:.1f} | {b:.1f} | {c:.1f} | {a + b + c:.1f} |")
-    lines.append("")
-    lines.append("Fetch time is near zero when the sdist is already in the download cache "
-                 "(first download: about 40 MB per release); `cached`: the result of an earlier "
-                 "run for the same release and inputs.")
+    for g in groups:
+        lines += group_table(g)
+    lines += drift_section(groups) + timing_section(groups)
     return "\n".join(lines) + "\n"
+
+
+def group_table(g: Group) -> list[str]:
+    head = (f"## From {g.src.version} ({g.src.patches_label}, {len(g.patches)} patches, series"
+            f" revision {series_revision(g.src)})")
+    if not g.todo:
+        return [head, "", f"No release newer than {g.src.version} on the index.", ""]
+    lines = [head, "", "| patch | " + " | ".join(g.todo) + " |", "|---|" + "---|" * len(g.todo)]
+    for i, p in enumerate(g.patches):
+        lines.append(f"| {p.name} | " + " | ".join(g.columns[v][i] for v in g.todo) + " |")
+    lines.append("| **overlay drift findings** | "
+                 + " | ".join(str(len(g.drifts[v])) for v in g.todo) + " |")
+    return lines + [""]
+
+
+def drift_section(groups: list[Group]) -> list[str]:
+    lines = ["## Overlay drift", "",
+             "`afdtool drift --to X`: static AST check of the overlay's `vllm` imports, attribute"
+             " uses of imported vllm modules and keyword calls against release X, relative to the"
+             " starting target (a module deleted, a name that resolves there but not in X, or a"
+             " parameter list changed other than by added optional parameters).", ""]
+    for g in groups:
+        for v in g.todo:
+            found = g.drifts[v]
+            lines += [f"### {v} (relative to {g.src.version}): {len(found)} finding(s)", ""]
+            lines += [f"- `{name}` ({where}): {status}" for name, where, status in found[:40]]
+            if len(found) > 40:
+                lines.append(f"- ... {len(found) - 40} more (`make drift VLLM_VERSION={v}`)")
+            if found:
+                lines.append("")
+    return lines
+
+
+def timing_section(groups: list[Group]) -> list[str]:
+    lines = ["## Timing per release", "",
+             "| release | from | fetch + unpack (s) | series (s) | drift (s) | total (s) |",
+             "|---|---|---|---|---|---|"]
+    for g in groups:
+        for v in g.todo:
+            if v in g.cached:
+                lines.append(f"| {v} | {g.src.version} | cached | cached | cached | cached |")
+                continue
+            a, b, c = g.timing[v]
+            lines.append(f"| {v} | {g.src.version} | {a:.1f} | {b:.1f} | {c:.1f} |"
+                         f" {a + b + c:.1f} |")
+    lines += ["", "Fetch time is near zero when the sdist is already in the download cache "
+              "(first download: about 40 MB per release); `cached`: the result of an earlier "
+              "run for the same release and inputs."]
+    return lines
 
 
 def stale_problems(doc: Path, root: Path) -> list[str]:
     """Why `doc` (docs/upstream-status.md) is not current ([] when it is)."""
-    from .targets import resolve
-
     if not doc.is_file():
         return [f"{doc} is missing: run `make rebase-report`"]
     m = MARKER_RE.search(doc.read_text())
     if not m:
         return [f"{doc} has no afd-rebase-report marker (made by an older afdtool): run "
                 "`make rebase-report`"]
-    target, rev = m.groups()
-    newest = newest_carried(root)
-    if target != newest:
+    target, rev, froms = m.groups()
+    lines = carried(root)
+    if target != lines[-1]:
         return [f"{doc} reports the series of {target}, but the newest carried target is "
-                f"{newest}: run `make rebase-report`"]
-    now = series_revision(resolve(root, target))
+                f"{lines[-1]}: run `make rebase-report`"]
+    if (froms or target).split(",") != lines:
+        return [f"{doc} starts from {froms or target} only, not from every carried target "
+                f"({', '.join(lines)}): run `make rebase-report` (without FROM)"]
+    now = report_revision([resolve(root, v) for v in lines])
     if now != rev:
-        return [f"{doc} was made for series revision {rev} of {target}; it is {now} now (a "
-                "patch or the series changed): run `make rebase-report` and commit the file"]
+        return [f"{doc} was made for report revision {rev}; it is {now} now (a patch or the "
+                "series of a carried target changed): run `make rebase-report` and commit the "
+                "file"]
     return []
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--releases", nargs="*", help="releases (default: all newer than the target)")
+    p.add_argument("--releases", nargs="*",
+                   help="releases (default: all newer than the primary pin; with --target Y, "
+                   "all newer than Y)")
     p.add_argument("--out", type=Path, help="markdown file (default: stdout)")
     p.add_argument("--verify", action="store_true",
-                   help="no network: exit 1 when --out is stale (another target or series "
-                   "revision than now)")
+                   help="no network: exit 1 when --out is stale (not the default report of "
+                   "the newest carried target, or a carried series changed since)")
 
 
 def run(args) -> int:
@@ -274,7 +361,10 @@ def run(args) -> int:
             print(f"PASS  {args.out} is current (series of {newest_carried(args.target.root)})")
         return 1 if problems else 0
     src = args.target
-    how = "the newest carried target" if args.target_default else "--target"
-    print(f"rebase-report: the series of {src.describe()} ({how})")
+    if args.target_default:
+        print("rebase-report: each release from the newest carried target older than it "
+              f"(newest: {src.describe()}; --target Y / FROM=Y for one series alone)")
+    else:
+        print(f"rebase-report: the series of {src.describe()} (--target)")
     releases = [r for a in (args.releases or []) for r in a.replace(",", " ").split()]
-    return rebase_report(src, releases or None, args.out)
+    return rebase_report(src, releases or None, args.out, chain=args.target_default)

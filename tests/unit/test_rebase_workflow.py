@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from pipeline_lib import git
+from pipeline_lib import TRAILERS, git
 from test_rebase import ENGINE, publish, results, two  # noqa: F401  (fixture)
 
 from afdtool.drift import compatible, signature_change
@@ -28,6 +28,25 @@ def carried(two, capsys):
     assert "wrote targets/9.9.1/VLLM_VERSION" in out
     assert "added patches/" not in out
     return two
+
+
+def test_export_patches_only_leaves_the_shared_overlay_alone(carried, capsys):
+    """overlay/ moved on after the target's tree was built (another target's port, another
+    person): a plain export refuses; --patches-only writes the patch and not overlay/."""
+    git(carried.repo, "add", "-A")
+    git(carried.repo, "commit", "-q", "-m", "targets/9.9.1")
+    ours = carried.repo / "overlay/vllm/afd/__init__.py"
+    ours.write_text("AFD = True\nNEW = 1\n")
+    text = (carried.tree / "vllm/config/__init__.py").read_text().replace("X = 2", "X = 3")
+    carried.commit_in_tree("vllm/config/__init__.py", text, f"Change X\n\nBody.\n\n{TRAILERS}")
+    capsys.readouterr()
+    assert carried.run("export", "--target", "9.9.1") == 1
+    assert "overlay/ or the pin changed since" in capsys.readouterr().err
+    assert carried.run("export", "--target", "9.9.1", "--patches-only") == 0
+    out = capsys.readouterr().out
+    assert "targets/9.9.1/patches/0003-Change-X.patch" in out and "overlay/" not in out
+    assert "+X = 3" in (carried.repo / "targets/9.9.1/patches/0003-Change-X.patch").read_text()
+    assert ours.read_text() == "AFD = True\nNEW = 1\n"
 
 
 def test_rebase_starts_from_the_newest_carried_target(carried, capsys):
@@ -58,6 +77,17 @@ def test_modify_delete_stop_names_the_deleted_file_and_refuses_readding(two, cap
     assert not (two.repo / "targets/9.9.1/VLLM_VERSION").exists()
     assert two.run("rebase-continue", "--skip") == 0
     assert results(two, "9.9.1")["0002-Change-X.patch"] == "dropped"
+
+
+def test_deleted_file_is_not_merged_into_a_similar_new_file(two, capsys):
+    """Upstream deleted the patched file and added a similar one (0.34.0: olmoe.py gone,
+    gemma2.py alike): the stop names the deleted file; the hunk lands nowhere else."""
+    publish(two, "9.9.1", {"vllm/engine.py": None, "vllm/engine2.py": ENGINE + "# moved\n"})
+    assert two.run("rebase", "--to", "9.9.1") == 1
+    out = capsys.readouterr().out
+    assert "STOPPED at patch 1 of 2: 0001-Change-f3.patch" in out
+    assert "upstream 9.9.1 DELETED file(s) this patch modifies:\n    vllm/engine.py" in out
+    assert "return 33" not in (two.tree / "vllm/engine2.py").read_text()
 
 
 BIG = "".join(f"v{i} = {i}\n" for i in range(60))
@@ -128,11 +158,18 @@ def test_report_from_the_newest_target_incremental_and_verified(carried, capsys)
     doc = carried.repo / "docs/upstream-status.md"
     assert report(carried) == 0
     out = capsys.readouterr().out
-    assert "the series of vLLM 9.9.1 (targets/9.9.1" in out and "newest carried" in out
+    assert "each release from the newest carried target older than it (newest: vLLM 9.9.1 " \
+           "(targets/9.9.1" in out
     text = doc.read_text()
-    assert "| patch | 9.9.2 | 9.9.3 |" in text  # releases newer than 9.9.1 only
+    # every release newer than the primary pin, each from the target a rebase starts from:
+    # the carried 9.9.1 from 9.9.0 (what porting it cost), 9.9.2 and 9.9.3 from 9.9.1
+    assert "## From 9.9.0 (patches, 2 patches" in text and "| patch | 9.9.1 |" in text
+    assert "| 0001-Change-f3.patch | offset |" in text
+    assert "## From 9.9.1 (targets/9.9.1/patches, 2 patches" in text
+    assert "| patch | 9.9.2 | 9.9.3 |" in text
     assert "| 0001-Change-f3.patch | conflict | offset |" in text
-    assert "wrote" in out and "(0 of 2 release(s) from the cache)" in out
+    assert "| 9.9.1 | 9.9.0 |" in text and "| 9.9.3 | 9.9.1 |" in text  # timing: the start
+    assert "wrote" in out and "(0 of 3 release(s) from the cache)" in out
     assert report(carried, "--verify") == 0
     # second run: every release from the cache; no sdist is read (none is left to read)
     aside = carried.tmp / "aside"
@@ -144,24 +181,36 @@ def test_report_from_the_newest_target_incremental_and_verified(carried, capsys)
     for d in (carried.cache / "trees").glob("9.9.[23]-*"):
         shutil.rmtree(d)
     assert report(carried) == 0
-    assert "(2 of 2 release(s) from the cache)" in capsys.readouterr().out
-    assert "| 9.9.2 | cached | cached | cached | cached |" in doc.read_text()
+    assert "(3 of 3 release(s) from the cache)" in capsys.readouterr().out
+    assert "| 9.9.2 | 9.9.1 | cached | cached | cached | cached |" in doc.read_text()
     for f in aside.iterdir():
         f.rename(carried.tmp / "index/files" / f.name)
     # a series change: stale for --verify, and that target's cells are recomputed
     series = carried.repo / "targets/9.9.1/patches/series"
     series.write_text(series.read_text() + "# a comment\n")
     assert report(carried, "--verify") == 1
-    assert "was made for series revision" in capsys.readouterr().out
+    assert "was made for report revision" in capsys.readouterr().out
     assert report(carried) == 0
-    assert "(0 of 2 release(s) from the cache)" in capsys.readouterr().out
+    assert "(1 of 3 release(s) from the cache)" in capsys.readouterr().out  # 9.9.1's start kept
     assert report(carried, "--verify") == 0
-    # from any target: the primary's series, then --verify names the newest carried target
+    # the primary's series changes too: the report depends on every carried series
+    series = carried.repo / "patches/series"
+    series.write_text(series.read_text() + "# a comment\n")
+    assert report(carried, "--verify") == 1
+    assert report(carried) == 0
+    capsys.readouterr()
+    # from any target: the primary's series alone, then --verify names the newest carried target
     assert report(carried, "--target", "9.9.0") == 0
     assert "| patch | 9.9.1 | 9.9.2 | 9.9.3 |" in doc.read_text()
     capsys.readouterr()
     assert report(carried, "--verify") == 1
     assert "reports the series of 9.9.0, but the newest carried target is 9.9.1" in \
+        capsys.readouterr().out
+    # the newest target's series alone is not the report make check wants either
+    assert report(carried, "--target", "9.9.1") == 0
+    capsys.readouterr()
+    assert report(carried, "--verify") == 1
+    assert "starts from 9.9.1 only, not from every carried target (9.9.0, 9.9.1)" in \
         capsys.readouterr().out
 
 
