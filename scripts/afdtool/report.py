@@ -38,6 +38,9 @@ CACHE_FORMAT = 2  # 2: three-way merges without rename detection (rebase.AM_3WAY
 MARKER_RE = re.compile(
     r"<!-- afd-rebase-report target=(\S+) series=([0-9a-f]+)(?: from=(\S+))? -->")
 SERIES_REV_LEN = 12
+# From this line on, docs/upstream-status.md is written by hand (lines supported, porting
+# notes); a new report keeps it.
+KEEP_MARKER = "<!-- written by hand from here on: make rebase-report keeps it -->"
 
 
 def try_series(src: Target, patches: list[Path], old_pristine: Path, pristine: Path) -> list[str]:
@@ -177,6 +180,13 @@ def plan(src: Target, chain: bool, releases: list[str] | None,
     return [(resolve(src.root, v), groups[v]) for v in sorted(groups, key=vkey)]
 
 
+def kept_part(out: Path) -> str:
+    """The hand-written end of `out` (from KEEP_MARKER on), "" when it has none."""
+    old = out.read_text() if out.is_file() else ""
+    i = old.find(KEEP_MARKER)
+    return "\n" + old[i:] if i >= 0 else ""
+
+
 @dataclass
 class Group:
     """One starting series and its releases' results."""
@@ -217,6 +227,7 @@ def rebase_report(src: Target, releases: list[str] | None, out: Path | None,
     hits = sum(len(g.cached) for g in groups)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
+        text += kept_part(out)
         out.write_text(text)
         print(f"wrote {out} ({hits} of {total} release(s) from the cache)")
     else:

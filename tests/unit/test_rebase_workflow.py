@@ -15,6 +15,7 @@ from pipeline_lib import TRAILERS, git
 from test_rebase import ENGINE, publish, results, two  # noqa: F401  (fixture)
 
 from afdtool.drift import compatible, signature_change
+from afdtool.report import KEEP_MARKER
 
 
 @pytest.fixture
@@ -171,6 +172,9 @@ def test_report_from_the_newest_target_incremental_and_verified(carried, capsys)
     assert "| 9.9.1 | 9.9.0 |" in text and "| 9.9.3 | 9.9.1 |" in text  # timing: the start
     assert "wrote" in out and "(0 of 3 release(s) from the cache)" in out
     assert report(carried, "--verify") == 0
+    # the hand-written end (lines supported, porting notes) survives a new report
+    hand = f"{KEEP_MARKER}\n\n## Lines supported\n\nby hand\n"
+    doc.write_text(doc.read_text() + "\n" + hand)
     # second run: every release from the cache; no sdist is read (none is left to read)
     aside = carried.tmp / "aside"
     aside.mkdir()
@@ -183,6 +187,7 @@ def test_report_from_the_newest_target_incremental_and_verified(carried, capsys)
     assert report(carried) == 0
     assert "(3 of 3 release(s) from the cache)" in capsys.readouterr().out
     assert "| 9.9.2 | 9.9.1 | cached | cached | cached | cached |" in doc.read_text()
+    assert doc.read_text().endswith("\n" + hand) and doc.read_text().count(KEEP_MARKER) == 1
     for f in aside.iterdir():
         f.rename(carried.tmp / "index/files" / f.name)
     # a series change: stale for --verify, and that target's cells are recomputed
