@@ -258,7 +258,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=str(REPO_ROOT / "dist" / "bundle"))
     parser.add_argument("--python", default="3.12", help="the host's Python (X.Y)")
     parser.add_argument("--host-freeze", default=None, help="`pip freeze` of the host")
-    parser.add_argument("--deps-file", default=str(DEPS_FILE))
+    parser.add_argument("--deps-file", default=None, help="the dependency wheels to carry "
+                        "(default: the target's targets/X/gpu_host_deps.txt, else "
+                        "scripts/gpu_host_deps.txt)")
     parser.add_argument("--no-deps", action="store_true", help="bundle the vLLM wheel only")
     g = parser.add_mutually_exclusive_group()
     g.add_argument("--hopper-only", dest="hopper_only", action="store_true", default=True)
@@ -274,7 +276,9 @@ def run(args: argparse.Namespace) -> int:
                        f"`make wheel{'' if args.target.primary else ' VLLM_VERSION=' + args.target.version}`")
     deps = None
     if not args.no_deps:
-        deps = read_requirements(Path(args.deps_file))
+        deps_file = Path(args.deps_file) if args.deps_file else args.target.gpu_deps_file
+        deps = read_requirements(deps_file)
+        print(f"dependency wheels: {len(deps)} from {deps_file}")
         if args.host_freeze:
             before = len(deps)
             deps = needed_deps(deps, read_freeze(Path(args.host_freeze)))

@@ -66,6 +66,16 @@ class Target:
         """The patch-set revision of THIS target (its series, its patches, overlay/)."""
         return patchset_revision(self.patches, self.overlay)
 
+    @property
+    def gpu_deps_file(self) -> Path:
+        """The wheels an offline bundle of this target carries beside vLLM: the target's own
+        list (targets/X/gpu_host_deps.txt; a line whose torch differs from the GPU host's
+        lists its torch there) or else the primary pin's (scripts/gpu_host_deps.txt)."""
+        own = self.patches.parent / "gpu_host_deps.txt"
+        if not self.primary and own.is_file():
+            return own
+        return self.root / "scripts" / "gpu_host_deps.txt"
+
     def with_overlay(self, overlay: Path) -> Target:
         return dataclasses.replace(self, overlay=overlay)
 

@@ -20,7 +20,16 @@ else
     | tee -a "$OUT/install.log"
 fi
 export PYTHONPATH=$SITE
-python3 -c "import vllm, importlib.metadata as m; print('import vllm ->', vllm.__version__, '| dist', m.version('vllm'))" 2>&1 \
+# A bundle that carries its own torch (a line whose torch differs from the host's, e.g. vLLM
+# 0.34.0: targets/X/gpu_host_deps.txt) brings the NCCL that torch needs and uses the host's
+# other CUDA libraries: the bundle's NCCL first, then the host's nvidia/*/lib folders.
+if [ -d "$SITE/torch" ]; then
+  host_nv=$(env -u PYTHONPATH python3 -c "import nvidia, sys; sys.stdout.write(list(nvidia.__path__)[0])" 2>/dev/null)
+  libs=$(ls -d "$SITE"/nvidia/*/lib "$host_nv"/*/lib 2>/dev/null | paste -sd:)
+  export LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  echo "bundle carries torch: LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee -a "$OUT/install.log"
+fi
+python3 -c "import torch, vllm, importlib.metadata as m; print('import vllm ->', vllm.__version__, '| dist', m.version('vllm'), '| torch', torch.__version__, torch.__file__)" 2>&1 \
   | tail -1 | tee "$OUT/version.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/version.log"
 rm -rf /tmp/afd-gpu-pt

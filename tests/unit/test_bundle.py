@@ -96,3 +96,20 @@ def test_host_freeze_filter(tmp_path):
     freeze.write_text("Lark==1.2.2\npydantic==2.0.0\n")
     need = B.needed_deps(reqs, B.read_freeze(freeze))
     assert ("lark", "1.2.2") not in need and ("pydantic", "2.14.4") in need
+
+
+def test_each_target_bundles_its_own_dependency_list():
+    """A line whose torch differs from the GPU host's carries it: the target's own list
+    (targets/X/gpu_host_deps.txt) names torch, triton and NCCL at the versions its vLLM needs;
+    a target without one, and the primary pin, use scripts/gpu_host_deps.txt (no torch)."""
+    from afdtool import targets
+
+    primary = targets.resolve()
+    assert primary.gpu_deps_file == B.DEPS_FILE
+    assert "torch" not in dict(B.read_requirements(primary.gpu_deps_file))
+    assert targets.resolve(version="0.32.0").gpu_deps_file == B.DEPS_FILE
+    t34 = targets.resolve(version="0.34.0")
+    assert t34.gpu_deps_file == targets.target_dir(None, "0.34.0") / "gpu_host_deps.txt"
+    deps = dict(B.read_requirements(t34.gpu_deps_file))
+    assert deps["torch"] == t34.pin.get("TORCH") == "2.14.0"
+    assert deps["triton"].startswith("3.8.") and deps["nvidia-nccl-cu13"] == "2.32.6"
