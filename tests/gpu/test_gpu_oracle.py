@@ -306,7 +306,8 @@ QLORA_GPU = su.cuda_visible_devices("0", "0", "cuda_ipc")  # both roles on GPU 0
 
 def _qlora_run(tag, model, tmp_path, procs, port=None, args=()) -> dict:
     """plain vLLM (``port`` None) or an AFD attention rank (cuda_ipc to the FFN rank at
-    ``port``) on GPU 0: FULL_DECODE_ONLY graphs, model runner V1, the mixed-length prompts;
+    ``port``) on GPU 0: FULL_DECODE_ONLY graphs, the first model runner that micro-batches
+    (V1 where vLLM has it, else V2: DBO_RUNNERS), the mixed-length prompts;
     its output (``tag``.json, log ``tag``.log)."""
     mode, afd = "plain", []
     if port is not None:
@@ -315,7 +316,8 @@ def _qlora_run(tag, model, tmp_path, procs, port=None, args=()) -> dict:
     out = tmp_path / f"{tag}.json"
     p = _proc([mode, *afd, "--prompts", str(tmp_path / "prompts.json"), "--out", str(out),
                "--compilation-config", json.dumps(QLORA_GRAPHS), *args],
-              model, tmp_path / f"{tag}.log", QLORA_GPU, procs, "v1", gpu_args=QLORA_GPU_ARGS)
+              model, tmp_path / f"{tag}.log", QLORA_GPU, procs, DBO_RUNNERS[0],
+              gpu_args=QLORA_GPU_ARGS)
     assert p.wait(START) == 0, p.tail() + "\n--- ffn ---\n" + _ffn_log(tmp_path)[-4000:]
     return json.loads(out.read_text())
 
@@ -345,7 +347,8 @@ def test_gpu_oracle_dbo_grouped_routing_q_lora(tmp_path, procs):
     counts = ffn_stopped_counts(ffn)
     assert counts["ubatched"] > counts["steps"] // 4, counts
     assert "captured a CUDA graph for step ('ubatched'" in _ffn_log(tmp_path)
-    print(f"ORACLE deepseek_v2_qlora cuda_ipc graphs DBO (2 decode / 12 prefill) runner=v1: "
+    print(f"ORACLE deepseek_v2_qlora cuda_ipc graphs DBO (2 decode / 12 prefill) "
+          f"runner={DBO_RUNNERS[0]}: "
           f"{equal} of {total} tokens equal before {len(divs)} near-tie divergence(s), "
           f"max |logprob diff| {worst:.3g}; without DBO tokens identical, max |logprob "
           f"diff| {worst_serial:.3g}; {counts}")
