@@ -1,0 +1,257 @@
+"""No request lost when the FFN server restarts (issue 21): a `vllm serve` AFD pair on the
+CPU (1 attention + 1 FFN, connector gloo) streams 16 concurrent greedy requests; the whole
+FFN server is stopped (SIGKILL to its process group, or SIGTERM to its API server: an
+upgrade) and started again on the same ports N seconds after it is gone. Every request
+completes, with no client error and the greedy tokens of plain vLLM (``afd_proc.py plain``),
+and the attention server's /metrics say the outage while it lasts (``vllm:afd_peer_up`` 0,
+``vllm:afd_peer_outage_seconds`` growing) and count the rejoin afterwards.
+
+One pair serves all three outages (SIGKILL with N = 2 and 15 s, SIGTERM with N = 2 s); the
+attention server's ``rejoin_timeout_s`` covers an FFN restart on this loaded 2-core machine.
+The bounded failure once ``rejoin_timeout_s`` has passed is
+tests/cpu/test_afd_serve.py::test_killed_ffn_fails_requests_fast (the default window,
+``timeout_s`` 5 s there); the fail-fast path (``rejoin_timeout_s`` 0) is test_afd_faults.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import AfdProc, wait_healthy
+
+import serve_util as su
+
+pytestmark = pytest.mark.cpu_e2e
+
+MODEL = "qwen3_moe"
+AFD_TIMEOUT_S = 30.0
+REJOIN_TIMEOUT_S = 240.0  # an FFN server restart takes 20-60 s on the loaded CI machine
+START_TIMEOUT_S = 300.0
+N_STREAMS = 16
+MAX_TOKENS = 96
+PROMPTS = [f"Story number {i}: once upon a time" for i in range(N_STREAMS)]
+SEQS = ["--max-num-seqs", str(N_STREAMS)]  # all 16 run at once (the CPU default is 8)
+STREAM_IDLE_S = 300.0  # a client waits this long for a chunk (the outage is silent)
+
+FIGURES: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("afd_restart_logs")
+    print(f"server logs: {path}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, log_dir) -> list[list[int]]:
+    """Plain vLLM's greedy token ids of PROMPTS (an engine in a process of its own)."""
+    prompts = log_dir / "prompts.json"
+    out = log_dir / "plain.json"
+    prompts.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": [MAX_TOKENS] * N_STREAMS}))
+    proc = AfdProc("plain", model_dir, log_dir / "plain.log",
+                   ["--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "16"])  # fmt: skip
+    rc = proc.wait(300)
+    if rc != 0:
+        pytest.fail(f"afd_proc.py plain failed (rc={rc}):\n{proc.tail()}", pytrace=False)
+    return [o["token_ids"] for o in json.loads(out.read_text())["outputs"]]
+
+
+class Pair:
+    """The attention server and a restartable FFN server on fixed ports."""
+
+    def __init__(self, model_dir: Path, log_dir: Path):
+        self.model_dir, self.log_dir = model_dir, log_dir
+        self.api_attn, self.api_ffn, self.afd_port = su.free_ports(3)
+        self.servers: list[su.Server] = []
+        self.ffn: su.Server | None = None
+        self.attn: su.Server | None = None
+        self._n = 0
+
+    def config(self, role: str) -> dict:
+        return su.afd_config(role, port=self.afd_port, timeout_s=AFD_TIMEOUT_S,
+                             rejoin_timeout_s=REJOIN_TIMEOUT_S)  # fmt: skip
+
+    def start_ffn(self) -> su.Server:
+        self._n += 1
+        self.ffn = su.Server.start("ffn", self.model_dir, self.api_ffn,
+                                   self.log_dir / f"ffn{self._n}.log",
+                                   afd_config=self.config("ffn"), extra_args=SEQS)  # fmt: skip
+        self.servers.append(self.ffn)
+        return self.ffn
+
+    def start(self) -> None:
+        self.attn = su.Server.start("attention", self.model_dir, self.api_attn,
+                                    self.log_dir / "attention.log",
+                                    afd_config=self.config("attention"),
+                                    extra_args=SEQS)  # fmt: skip
+        self.servers.append(self.attn)
+        self.start_ffn()
+        print(f"AFD pair healthy: {wait_healthy([self.attn, self.ffn], START_TIMEOUT_S)}")
+
+    def stop(self) -> None:
+        su.stop_servers(self.servers)
+        left = {s.log_path.name: su.group_members(s.pgid) for s in self.servers}
+        assert not any(left.values()), f"processes left after stop: {left}"
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, log_dir, reference):
+    del reference  # first, so that it does not compete with the servers' start
+    p = Pair(model_dir, log_dir)
+    try:
+        p.start()
+        yield p
+    finally:
+        p.stop()
+        print("\nfigures of test_afd_restart:")
+        for k, v in FIGURES.items():
+            print(f"  {k}: {v}")
+
+
+class TokenStreams:
+    """N_STREAMS concurrent greedy streaming completions; per stream the token ids and the
+    arrival time of every chunk."""
+
+    def __init__(self, srv: su.Server):
+        self.tokens: list[list[int]] = [[] for _ in PROMPTS]
+        self.times: list[list[float]] = [[] for _ in PROMPTS]
+        self.results: list[dict | None] = [None] * N_STREAMS
+        self.started = threading.Event()
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._one, args=(srv, i), daemon=True)
+                        for i in range(N_STREAMS)]  # fmt: skip
+        for t in self.threads:
+            t.start()
+
+    def _one(self, srv: su.Server, i: int) -> None:
+        def on_chunk(chunk: dict) -> None:
+            for choice in chunk.get("choices") or []:
+                toks = (choice.get("logprobs") or {}).get("tokens") or []
+                with self._lock:
+                    self.tokens[i] += su.token_ids(toks)
+                    self.times[i].append(time.monotonic())
+                    if all(self.times):
+                        self.started.set()
+
+        self.results[i] = su.stream_completion(
+            srv.url, PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+            logprobs=1, return_tokens_as_token_ids=True, timeout=STREAM_IDLE_S,
+            on_chunk=on_chunk,
+        )  # fmt: skip
+
+    def join(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self.threads)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(1 for toks in self.tokens if len(toks) < MAX_TOKENS)
+
+    def first_chunk_after(self, t: float) -> float | None:
+        with self._lock:
+            later = [x for ts in self.times for x in ts if x > t]
+        return min(later) if later else None
+
+
+def scrape(srv: su.Server) -> dict[str, float]:
+    status, text = su.http_get(f"{srv.url}/metrics", timeout=10)
+    assert status == 200, text[:500]
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:afd_") and 'role="attention"' in line:
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{", 1)[0]] = float(value)
+    return out
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.2)
+    return got
+
+
+def stop_ffn(pair: Pair, sig: int) -> None:
+    """SIGKILL: the whole FFN process group (a crash). SIGTERM: its API server (an upgrade
+    stops it so); the server then ends its engine and exits."""
+    ffn = pair.ffn
+    if sig == signal.SIGKILL:
+        ffn.kill()
+    else:
+        os.kill(ffn.proc.pid, signal.SIGTERM)
+        assert su.wait_for_exit(ffn.proc, 60) is not None, "FFN server ignored SIGTERM"
+    wait_for(ffn.gone, 30, "no process of the FFN server left")
+    wait_for(lambda: su.port_bindable(pair.afd_port) and su.port_bindable(pair.api_ffn), 30,
+             "the FFN server's ports free")  # fmt: skip
+
+
+def rejoin_line(attn: su.Server, nth: int) -> str:
+    """The attention log's nth 'rejoined' line (1-based)."""
+    text = attn.log_path.read_text(errors="replace")
+    lines = [ln for ln in text.splitlines() if "rejoined FFN rank 0" in ln]
+    return lines[nth - 1] if len(lines) >= nth else ""
+
+
+@pytest.mark.parametrize(
+    "sig, down_s",
+    [(signal.SIGKILL, 2.0), (signal.SIGKILL, 15.0), (signal.SIGTERM, 2.0)],
+    ids=["sigkill-2s", "sigkill-15s", "sigterm-2s"],
+)
+def test_ffn_restart_loses_no_request(pair, reference, sig, down_s):
+    attn = pair.attn
+    before = scrape(attn)
+    assert before["vllm:afd_peer_up"] == 1.0
+    rejoins = before.get("vllm:afd_rejoins_total", 0.0)
+    streams = TokenStreams(attn)
+    assert streams.started.wait(120), "not every stream got a token"
+    in_flight = streams.in_flight()
+    t_stop = time.monotonic()
+    stop_ffn(pair, sig)
+    t_gone = time.monotonic()
+    assert in_flight == N_STREAMS, f"only {in_flight} streams were running at the stop"
+    assert streams.in_flight(), "every stream ended while the FFN server stopped"
+
+    # while the FFN server is down: the attention server is up, says so, and waits
+    got = wait_for(lambda: (m := scrape(attn))["vllm:afd_peer_up"] == 0.0 and m, 30,
+                   "vllm:afd_peer_up 0")  # fmt: skip
+    status, _ = su.http_get(f"{attn.url}/health", timeout=5)
+    assert status == 200 and attn.alive()
+    time.sleep(max(0.0, down_s - (time.monotonic() - t_gone)))  # the outage's length
+    outage = scrape(attn)["vllm:afd_peer_outage_seconds"]
+    assert outage >= down_s - 0.5, (outage, got)
+
+    t_start = time.monotonic()
+    ffn = pair.start_ffn()
+    assert streams.join(START_TIMEOUT_S), "streams still running after the FFN restart"
+    wait_healthy([attn, ffn], START_TIMEOUT_S)
+    resumed = streams.first_chunk_after(t_start)
+    errors = [r["error"] for r in streams.results if r is None or r["error"]]
+    assert not errors, errors
+    for i, (res, toks) in enumerate(zip(streams.results, streams.tokens)):
+        assert res["finish_reason"] == "length" and res["done"], res
+        assert toks == reference[i], f"stream {i}: tokens differ from plain vLLM"
+    after = scrape(attn)
+    assert after["vllm:afd_peer_up"] == 1.0
+    assert after["vllm:afd_peer_outage_seconds"] == 0.0
+    assert after["vllm:afd_rejoins_total"] == rejoins + 1
+    line = rejoin_line(attn, int(rejoins) + 1)
+    m = re.search(r"after ([0-9.]+) s without it", line)
+    assert m, line
+    name = f"{signal.Signals(sig).name} FFN, restarted {down_s:g} s after it was gone"
+    FIGURES[name] = (
+        f"stop took {t_gone - t_stop:.1f} s; outage {float(m.group(1)):.1f} s (loss to "
+        f"rejoin); FFN start to the first token {resumed - t_start:.1f} s; "
+        f"{N_STREAMS}/{N_STREAMS} requests completed, tokens equal to plain vLLM"
+    )
+    print(FIGURES[name])
