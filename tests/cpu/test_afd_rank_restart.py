@@ -1,0 +1,171 @@
+"""Issue 21, FFN side: an attention rank of a 2A1F deployment (`vllm serve` on the CPU: two
+attention servers, ranks 0 and 1, and one FFN server serving both) is SIGKILLed while both
+stream, and restarted on the same ports.
+
+Checked: the FFN server drops rank 1 and serves on; rank 0 never stops - its streams in
+flight at the kill complete, and it answers requests while rank 1 is down, all with the
+greedy tokens of plain vLLM (``afd_proc.py plain``); the restarted rank 1 is taken again by
+the FFN server (a new handshake of the same rank id) and answers with plain vLLM's tokens
+(and top-5 logprobs within 1e-4). The times from the kill to the drop and to the
+re-accept are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import AfdProc, wait_healthy
+
+import serve_util as su
+
+pytestmark = pytest.mark.cpu_e2e
+
+MODEL = "qwen3_moe"
+AFD_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 300.0
+LOGPROB_TOL = 1e-4
+STREAM_PROMPTS = ["Story number 0: once upon a time", "Story number 1: once upon a time",
+                  "Story number 2: once upon a time"]  # fmt: skip
+STREAM_TOKENS = 160
+CHECK_PROMPTS = ["Hello, my name is", "The capital of France is"]
+CHECK_TOKENS = 12
+CHECK_EVERY_S = 5.0  # rank 0's requests while rank 1 restarts
+PARAMS = {"temperature": 0.0, "logprobs": 5, "ignore_eos": True,
+          "return_tokens_as_token_ids": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("afd_rank_restart_logs")
+    print(f"server logs: {path}")
+    return path
+
+
+def plain_reference(model_dir: Path, log_dir: Path) -> AfdProc:
+    """Plain vLLM on the streamed and the checked prompts, in a process of its own."""
+    spec = {"prompts": STREAM_PROMPTS + CHECK_PROMPTS,
+            "max_tokens": [STREAM_TOKENS] * len(STREAM_PROMPTS) + [CHECK_TOKENS] * 2}
+    (log_dir / "prompts.json").write_text(json.dumps(spec))
+    return AfdProc("plain", model_dir, log_dir / "plain.log",
+                   ["--prompts", str(log_dir / "prompts.json"),
+                    "--out", str(log_dir / "plain.json"), "--max-num-seqs", "8"])  # fmt: skip
+
+
+class Stream(threading.Thread):
+    """One streaming completion; ``ids``: the token ids of its chunks, in order."""
+
+    def __init__(self, srv: su.Server, prompt: str):
+        super().__init__(daemon=True)
+        self.srv, self.prompt = srv, prompt
+        self.ids: list[int] = []
+        self.result: dict | None = None
+        self.start()
+
+    def run(self):
+        def on_chunk(chunk):
+            for choice in chunk.get("choices") or []:
+                self.ids += su.token_ids((choice.get("logprobs") or {}).get("tokens") or [])
+
+        self.result = su.stream_completion(
+            self.srv.url, self.prompt, max_tokens=STREAM_TOKENS, timeout=240,
+            on_chunk=on_chunk, **{**PARAMS, "logprobs": 1},
+        )  # fmt: skip
+
+
+def check(srv: su.Server, want: dict[str, dict]) -> None:
+    """Greedy completions of CHECK_PROMPTS: plain vLLM's tokens and top-5 logprobs."""
+    for prompt in CHECK_PROMPTS:
+        status, body = srv.completion(prompt, max_tokens=CHECK_TOKENS, timeout=120, **PARAMS)
+        assert status == 200, (srv.name, body)
+        choice = su.parse_choice(body)
+        assert su.token_ids(choice["tokens"]) == want[prompt]["token_ids"], (srv.name, prompt)
+        top = [{k.split(":", 1)[1]: v for k, v in pos.items()} for pos in choice["top_logprobs"]]
+        diff = su.max_logprob_diff(top, want[prompt]["logprobs"])
+        assert diff <= LOGPROB_TOL, f"{srv.name} {prompt!r}: max |logprob diff| {diff:.3g}"
+
+
+def wait_log(srv: su.Server, text: str, count: int, timeout: float) -> float | None:
+    """Seconds until ``text`` is in ``srv``'s log ``count`` times; None after ``timeout``."""
+    t0 = time.monotonic()
+    while srv.log_path.read_text(errors="replace").count(text) < count:
+        if time.monotonic() - t0 > timeout:
+            return None
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def test_attention_rank_killed_and_restarted_the_other_never_stops(model_dir, log_dir):
+    reference = plain_reference(model_dir, log_dir)
+    api0, api1, api_ffn, afd_port = su.free_ports(4)
+    cfg = dict(port=afd_port, timeout_s=AFD_TIMEOUT_S, num_attention_ranks=2)
+    servers: list[su.Server] = []
+
+    def attention(rank: int, n: int) -> su.Server:
+        srv = su.Server.start(f"attention{rank}", model_dir, (api0, api1)[rank],
+                              log_dir / f"attention{rank}_{n}.log",
+                              afd_config=su.afd_config("attention", rank=rank, **cfg))  # fmt: skip
+        servers.append(srv)
+        return srv
+
+    try:
+        ffn = su.Server.start("ffn", model_dir, api_ffn, log_dir / "ffn.log",
+                              afd_config=su.afd_config("ffn", **cfg))  # fmt: skip
+        servers.append(ffn)
+        att0, att1 = attention(0, 1), attention(1, 1)
+        assert reference.wait(START_TIMEOUT_S) == 0, reference.tail()
+        outputs = json.loads((log_dir / "plain.json").read_text())["outputs"]
+        want = dict(zip(STREAM_PROMPTS + CHECK_PROMPTS, outputs))
+        print(f"2A1F healthy: {wait_healthy([ffn, att0, att1], START_TIMEOUT_S)}")
+        accepted = "accepted attention rank 1 from"
+        assert wait_log(ffn, accepted, 1, 5) is not None
+
+        # Both ranks stream (their steps share the FFN's passes); rank 1 dies mid-stream.
+        streams0 = [Stream(att0, p) for p in STREAM_PROMPTS]
+        streams1 = [Stream(att1, p) for p in STREAM_PROMPTS[:2]]
+        deadline = time.monotonic() + 120
+        while not all(s.ids for s in streams0 + streams1):
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.05)
+        t_kill = time.monotonic()
+        att1.kill()
+        dropped = wait_log(ffn, "lost attention rank 1", 1, AFD_TIMEOUT_S)
+        assert dropped is not None, ffn.log_tail()
+        print(f"FFN dropped attention rank 1 {time.monotonic() - t_kill:.2f} s after the kill")
+
+        # Restart rank 1; rank 0 serves meanwhile and its streams go on.
+        att1 = attention(1, 2)
+        served, next_check = 0, 0.0
+        while not att1.healthy():
+            att1.check_alive()
+            assert time.monotonic() - t_kill < START_TIMEOUT_S, "rank 1 did not come back"
+            if time.monotonic() >= next_check:  # paced: rank 1's start needs the 2 CPUs too
+                check(att0, want)
+                served += 1
+                next_check = time.monotonic() + CHECK_EVERY_S
+            time.sleep(0.5)
+        rejoined = wait_log(ffn, accepted, 2, 5)
+        assert rejoined is not None, ffn.log_tail()
+        t_back = time.monotonic() - t_kill
+        print(f"attention rank 1 re-accepted and healthy {t_back:.1f} s after the kill; rank 0 "
+              f"answered {served} x {len(CHECK_PROMPTS)} requests meanwhile")  # fmt: skip
+        check(att1, want)
+        check(att0, want)
+
+        for s in streams0:
+            s.join(240)
+            assert not s.is_alive() and s.result is not None, s.prompt
+            assert s.result["error"] is None and s.result["done"], (s.prompt, s.result)
+            assert s.ids == want[s.prompt]["token_ids"], f"rank 0 stream {s.prompt!r}"
+        for s in streams1:  # the killed server's streams ended (with an error)
+            s.join(30)
+            assert not s.is_alive()
+        assert served >= 1 and ffn.alive() and att0.alive()
+    finally:
+        su.stop_servers(servers)
+        reference.stop()
+        left = {s.name: su.group_members(s.pgid) for s in servers}
+        assert not any(left.values()), f"processes left after stop: {left}"
