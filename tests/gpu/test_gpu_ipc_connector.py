@@ -334,3 +334,44 @@ def test_a_ranks_error_word_ends_only_its_own_session(pair, monkeypatch):
         assert torch.equal(p.step(y, rank), _reference(y)), rank
     torch.cuda.synchronize()
     assert p.failed[1] == [] and len(p.failed[0]) == 1
+
+
+def test_a_rank_lost_abruptly_ends_only_its_session_and_rejoins(pair):
+    """Issue 21, FFN side: attention rank 0's connection is reset (its server was
+    SIGKILLed). The FFN rank drops rank 0 alone (its device waits released) and serves
+    rank 1 on; rank 0's restarted server handshakes again with the same rank id, gets
+    fresh buffers on the FFN rank, and both ranks' steps are exact."""
+    import socket
+    import struct
+
+    from vllm.afd.protocol import AFDHandshakeError
+
+    p = pair(m=2)
+    x = torch.randn((8, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    for rank in (0, 1):
+        assert torch.equal(p.step(x, rank), _reference(x)), rank
+    torch.cuda.synchronize()
+    old = p.conns[0]
+    old.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    old.sock.close()  # RST, as the kernel sends for a killed process
+    for _ in range(3):
+        assert torch.equal(p.step(x, 1), _reference(x))
+    assert p.ffn.is_alive() and p.failed[1] == []
+    deadline = time.monotonic() + 2 * TIMEOUT_S
+    while True:  # the FFN rank refuses rank 0 until it has dropped the old session
+        again = p.attention(0)
+        try:
+            again.connect()
+            break
+        except AFDHandshakeError as e:
+            again._closed.set()
+            assert "already connected" in str(e) and time.monotonic() < deadline, e
+            time.sleep(0.05)
+    p.conns[0] = again
+    old._closed.set()
+    y = torch.randn((5, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    for _ in range(2):
+        for rank in (0, 1):
+            assert torch.equal(p.step(y, rank), _reference(y)), rank
+    torch.cuda.synchronize()
+    assert p.failed[1] == [] and p.ffn.is_alive()
