@@ -108,8 +108,8 @@ def netns():
         assert ns.veth_a not in links and ns.veth_b not in links
 
 
-def afd(role: str, host: str, port: int, timeout_s: float) -> str:
-    return json.dumps(su.afd_config(role, port=port, host=host, timeout_s=timeout_s))
+def afd(role: str, host: str, port: int, timeout_s: float, **extra) -> str:
+    return json.dumps(su.afd_config(role, port=port, host=host, timeout_s=timeout_s, **extra))
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,9 @@ def test_network_cut_ends_both_sides(netns, model_dir, tmp_path, procs):
                   ["--afd", afd("ffn", netns.addr_b, port, CUT_TIMEOUT_S)], netns=netns.b)
     procs.append(ffn)
     attn = AfdProc("attention", model_dir, tmp_path / "attn.log",
-                   ["--afd", afd("attention", netns.addr_b, port, CUT_TIMEOUT_S),
+                   # rejoin_timeout_s 0: the cut's bound is timeout_s (no wait for a rejoin)
+                   ["--afd", afd("attention", netns.addr_b, port, CUT_TIMEOUT_S,
+                                 rejoin_timeout_s=0),
                     "--prompts", str(tmp_path / "prompts.json"),
                     "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
                    netns=netns.a)  # fmt: skip

@@ -53,7 +53,10 @@ class Pair:
         srv = su.Server.start(
             role, self.model_dir, self.api_attn if role == "attention" else self.api_ffn,
             self.log_dir / f"{n:02d}_{role}.log", env=MP_ENV,
-            afd_config=su.afd_config(role, self.afd_port, timeout_s=AFD_TIMEOUT_S),
+            # rejoin_timeout_s 0: the attention server ends at once when its FFN is gone
+            # (waiting for it is tests/cpu/test_afd_restart.py)
+            afd_config=su.afd_config(role, self.afd_port, timeout_s=AFD_TIMEOUT_S,
+                                     rejoin_timeout_s=0),
         )  # fmt: skip
         self.started.append(srv)
         return srv

@@ -8,8 +8,9 @@ way round), with ``timeout_s`` 5 so that the failure test below is quick. Checke
   (``afd_proc.py plain``);
 * the FFN server answers /health and refuses generation with a 4xx that mentions AFD;
 * benchmarks/serve.py's `vllm bench serve` client gets every request and token through;
-* SIGKILL of the FFN server while a long completion streams: that request ends with an
-  error naming the lost AFD peer within timeout_s + 10 s, later requests fail fast (with the
+* SIGKILL of the FFN server while a long completion streams: the step waits
+  ``rejoin_timeout_s`` (default ``timeout_s``) for it to come back, then that request ends
+  with an error naming the lost AFD peer within timeout_s + 10 s, later requests fail fast (with the
   same message while the server still answers), and after the stop no process of either
   server is left.
 """
@@ -180,6 +181,11 @@ def test_killed_ffn_fails_requests_fast(pair):
     assert not completed, f"request finished normally despite the dead FFN: {result}"
     # the client's error names the lost peer (patch 0011), not just "EngineCore ..."
     assert "AFD: lost AFD peer FFN rank 0 at 127.0.0.1:" in str(result.get("error")), result
+    # the step held for the FFN rank to come back (rejoin_timeout_s, default timeout_s) and
+    # then failed as without rejoin (tests/cpu/test_afd_restart.py: one that comes back)
+    assert f"did not come back within rejoin_timeout_s={AFD_TIMEOUT_S:g}" in str(
+        result.get("error")), result
+    assert ended >= AFD_TIMEOUT_S - 1, ended
 
     # later requests fail fast: an HTTP error or a refused connection, not a hang
     for _ in range(2):
