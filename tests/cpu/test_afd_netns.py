@@ -8,8 +8,11 @@ harness.AfdProc) run with `ip netns exec`.
 * the CPU oracle across the link: greedy tokens identical to plain vLLM, top-5 logprobs
   within LOGPROB_TOL; the FFN is not reachable on 127.0.0.1 of its namespace (it binds
   only the configured address);
-* a network cut (`ip -n B link set <veth> down`) during a long generation: the attention
-  rank ends non-zero within timeout_s + 5 s, naming its FFN peer; the FFN side ends too.
+* the FFN rank SIGKILLed during a generation and started again on its address 2 s later:
+  the attention rank rejoins it across the link and ends with plain vLLM's tokens;
+* a network cut (`ip -n B link set <veth> down`) during a long generation, with
+  ``rejoin_timeout_s`` 0: the attention rank ends non-zero within timeout_s + 5 s, naming its
+  FFN peer; the FFN side ends too.
 """
 
 from __future__ import annotations
@@ -172,6 +175,68 @@ def test_oracle_across_namespaces(netns, model_dir, plain, tmp_path, procs):
           f"{time.monotonic() - t0:.0f} s")  # fmt: skip
     assert ffn.stop() == 0, ffn.tail()
     assert "AFD-FFN-STOPPED" in ffn.text()
+
+
+# Long enough that the FFN kill below lands in a step on any machine (a step is a few ms).
+SPEC_LONG = {"prompts": SPEC["prompts"][:4], "max_tokens": [160] * 4}
+
+
+@pytest.fixture(scope="module")
+def plain_long(model_dir, tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("netns_plain_long")
+    (d / "prompts.json").write_text(json.dumps(SPEC_LONG))
+    p = AfdProc("plain", model_dir, d / "plain.log",
+                ["--prompts", str(d / "prompts.json"), "--out", str(d / "plain.json"),
+                 "--max-num-seqs", "4"])  # fmt: skip
+    rc = p.wait_exit(START_TIMEOUT_S)
+    p.stop()
+    assert rc == 0, p.tail()
+    return json.loads((d / "plain.json").read_text())
+
+
+def test_ffn_restart_across_namespaces(netns, model_dir, plain_long, tmp_path, procs):
+    """The FFN rank (namespace B, its veth address) is SIGKILLed while the attention rank
+    (namespace A) generates, and started again 2 s after it is gone: the attention rank holds
+    its step, rejoins it across the link and finishes with plain vLLM's tokens (issue 21)."""
+    port = su.free_port()
+    (tmp_path / "prompts.json").write_text(json.dumps(SPEC_LONG))
+
+    def start_ffn(n: int) -> AfdProc:
+        ffn = AfdProc("ffn", model_dir, tmp_path / f"ffn{n}.log",
+                      ["--afd", afd("ffn", netns.addr_b, port, 60)], netns=netns.b)
+        procs.append(ffn)
+        return ffn
+
+    ffn = start_ffn(1)
+    attn = AfdProc("attention", model_dir, tmp_path / "attn.log",
+                   ["--afd", afd("attention", netns.addr_b, port, 60, rejoin_timeout_s=300),
+                    "--prompts", str(tmp_path / "prompts.json"),
+                    "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
+                   netns=netns.a)  # fmt: skip
+    procs.append(attn)
+    assert attn.wait_for_log("AFD-PROC-GENERATING", START_TIMEOUT_S), (
+        attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+    )
+    t_kill = time.monotonic()
+    ffn.kill()
+    assert ffn.gone()
+    time.sleep(2.0)  # the outage (the FFN server is gone)
+    assert attn.p.poll() is None, attn.tail()
+    new_ffn = start_ffn(2)
+    rc = attn.wait_exit(START_TIMEOUT_S)
+    took = time.monotonic() - t_kill
+    assert rc == 0, attn.tail() + "\n--- new ffn ---\n" + new_ffn.tail()
+    text = attn.text()
+    peer = f"FFN rank 0 at {netns.addr_b}:{port}"
+    assert "holding the step and rejoining" in text, attn.tail()
+    assert f"attention rank 0 rejoined {peer}" in text, attn.tail()
+    assert f"accepted attention rank 0 from {netns.addr_a}:" in new_ffn.text(), new_ffn.tail()
+    worst = assert_outputs_match(plain_long, json.loads((tmp_path / "afd.json").read_text()),
+                                 SPEC_LONG["max_tokens"], LOGPROB_TOL)  # fmt: skip
+    line = next(ln for ln in text.splitlines() if "rejoined" in ln)
+    print(f"FFN restart across namespaces: tokens identical, max |logprob diff| {worst:.2e}; "
+          f"{line.split('AFD: ')[-1]}; generation done {took:.0f} s after the kill")  # fmt: skip
+    assert new_ffn.stop() == 0, new_ffn.tail()
 
 
 def test_network_cut_ends_both_sides(netns, model_dir, tmp_path, procs):
