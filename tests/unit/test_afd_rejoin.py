@@ -27,7 +27,9 @@ from vllm.distributed.afd.base import ConnectorContext
 TIMEOUT = 2.0
 
 
-def ctx(role: str, port: int, rejoin_timeout_s=None, **fp_changes) -> ConnectorContext:
+def ctx(
+    role: str, port: int, rejoin_timeout_s=None, num_router_logits=None, **fp_changes
+) -> ConnectorContext:
     raw = {"role": role, "connector": "tcp", "host": HOST, "port": port, "timeout_s": TIMEOUT}
     if rejoin_timeout_s is not None:
         raw["rejoin_timeout_s"] = rejoin_timeout_s
@@ -37,6 +39,7 @@ def ctx(role: str, port: int, rejoin_timeout_s=None, **fp_changes) -> ConnectorC
         fingerprint=fingerprint(**fp_changes),
         max_num_tokens=MAX_TOKENS,
         device=torch.device("cpu"),
+        num_router_logits=num_router_logits,
     )
 
 
@@ -68,10 +71,15 @@ class FakeFFN:
     """A TCP FFN rank on ``port`` whose layers double their input (``layers`` per step);
     it records the inputs it received per step."""
 
-    def __init__(self, port: int, layers: int, **fp_changes):
+    def __init__(self, port: int, layers: int, gated_width: int = 0, **fp_changes):
         self.conn = tcp.TCPFFNConnector(ctx("ffn", port, **fp_changes))
         self.layers = layers
+        # > 0: every layer also receives router logits of this width (gate on attention)
+        self.gated_width = gated_width
         self.steps: list[tuple[int, list[torch.Tensor]]] = []
+        self.logits: list[torch.Tensor] = []
+        self.running = threading.Event()  # cleared: the serve loop pauses
+        self.running.set()
         self._stop = threading.Event()
         self.conn.start()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -79,6 +87,8 @@ class FakeFFN:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
+            if not self.running.wait(0.05):
+                continue
             try:
                 peers = self.conn.wait_step(0.05)
                 for p in peers:
@@ -88,6 +98,10 @@ class FakeFFN:
                         buf = torch.empty(n, HIDDEN)
                         self.conn.recv(p, buf)
                         seen.append(buf.clone())
+                        if self.gated_width:
+                            logits = torch.empty(n, self.gated_width)
+                            self.conn.recv(p, logits)
+                            self.logits.append(logits)
                         self.conn.send(p, 2 * buf)
                     self.steps.append((p.control.step_id, seen))
             except (AFDPeerError, OSError, ValueError):
@@ -113,8 +127,8 @@ class FakeFFN:
 def ffns():
     made: list[FakeFFN] = []
 
-    def make(port, layers=3, **fp_changes):
-        f = FakeFFN(port, layers, **fp_changes)
+    def make(port, layers=3, gated_width=0, **fp_changes):
+        f = FakeFFN(port, layers, gated_width, **fp_changes)
         made.append(f)
         return f
 
@@ -274,6 +288,51 @@ def test_interrupted_step_is_rerun_from_its_first_layer(ffns, attention):
     # the next step runs as usual
     x = torch.randn(3, HIDDEN)
     assert all(torch.equal(client.exchange(x, i), 2 * x) for i in range(3))
+
+
+def test_rerun_of_a_gated_step_sends_zero_router_logits(ffns, attention):
+    """Gate on the attention role: the re-run's earlier layers carry zero router logits of
+    the connector's width, the interrupted layer its own."""
+    port = free_port()
+    width = 5
+    first = ffns(port, layers=2, gated_width=width)
+    att = attention(port, rejoin_timeout_s=10, num_router_logits=width)
+    Bg(att.connect).get()
+    client = AttentionClient()
+    client.register(0, gated=True)
+    client.register(1, gated=True)
+    client.connector = att
+    x0, x1 = torch.randn(3, HIDDEN), torch.randn(3, HIDDEN)
+    l0, l1 = torch.randn(3, width), torch.randn(3, width)
+    assert torch.equal(client.exchange(x0, 0, l0), 2 * x0)
+    first.close()
+    second = ffns(port, layers=2, gated_width=width)
+    assert torch.equal(client.exchange(x1, 1, l1), 2 * x1)
+    wait_until(lambda: second.steps, 5.0, "the re-run step served")
+    assert torch.equal(second.steps[0][1][0], torch.zeros(3, HIDDEN))
+    assert torch.equal(second.logits[0], torch.zeros(3, width))
+    assert torch.equal(second.logits[1], l1)
+
+
+def test_rejoin_retries_while_the_ffn_still_holds_the_old_connection(ffns, attention):
+    """The attention side gave up on a live FFN rank (a timeout): until the FFN rank notices
+    that connection's end it answers a new hello with 'attention rank 0 is already
+    connected'; a rejoin retries that (at start-up it is a refusal)."""
+    port = free_port()
+    ffn = ffns(port, layers=1)
+    att = attention(port, rejoin_timeout_s=0)
+    Bg(att.connect).get()
+    ffn.running.clear()  # the FFN rank reads nothing meanwhile
+    time.sleep(0.1)  # its loop has paused (it polls every 0.05 s)
+    att._fail(AFDPeerError("AFD peer FFN rank 0 did not answer within the timeout"), "recv")
+    assert 0 in ffn.conn.peers
+    job = Bg(att.reconnect, time.monotonic() + 10)
+    time.sleep(1.0)
+    assert job.is_alive() and not att.is_up()  # refused (busy) and retrying
+    ffn.running.set()  # it sees EOF on the old connection, drops it, takes the new one
+    job.get(10)
+    assert att.is_up()
+    wait_until(lambda: 0 in ffn.conn.peers, 5.0, "the rank taken again")
 
 
 def test_without_rejoin_a_lost_ffn_ends_the_step(ffns, attention):
