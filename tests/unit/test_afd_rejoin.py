@@ -66,6 +66,18 @@ def test_rejoin_timeout_is_validated(value, message):
         AFDConfig.from_dict({"role": "attention", "rejoin_timeout_s": value})
 
 
+def test_a_rejoin_window_past_the_executor_timeout_is_warned():
+    def warning(raw, env):
+        return AFDConfig.from_dict(raw).rejoin_warning(env)
+
+    assert warning({"role": "attention", "timeout_s": 60}, {}) is None
+    msg = warning({"role": "attention", "rejoin_timeout_s": 300}, {})
+    assert "is not below VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s)" in msg
+    assert warning({"role": "attention", "rejoin_timeout_s": 300},
+                   {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "900"}) is None  # fmt: skip
+    assert warning({"role": "ffn", "rejoin_timeout_s": 900}, {}) is None
+
+
 # --------------------------------------------------------------------------- the FFN side
 class FakeFFN:
     """A TCP FFN rank on ``port`` whose layers double their input (``layers`` per step);

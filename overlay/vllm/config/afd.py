@@ -251,6 +251,23 @@ class AFDConfig:
                 f"waits for a lost FFN rank to come back; 0: not at all); got {value}"
             )
 
+    def rejoin_warning(self, environ: dict[str, str]) -> str | None:
+        """Why this attention rank's rejoin window is cut short, if it is: vLLM's executor
+        gives up on a step (a held one too) after $VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
+        (default 300) when the worker runs in its own process (``vllm serve``'s default)."""
+        try:
+            limit = float(environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300"))
+        except ValueError:
+            return None
+        if not self.is_attention or self.rejoin_window_s < limit:
+            return None
+        return (
+            f"AFD: rejoin_timeout_s ({self.rejoin_window_s:g} s; default timeout_s) is not "
+            f"below VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS ({limit:g} s): vLLM's executor gives up "
+            "on a step held that long and ends the engine first. Lower rejoin_timeout_s, or "
+            "raise VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS on the attention server"
+        )
+
     @property
     def rejoin_window_s(self) -> float:
         """Seconds a lost FFN rank has to come back (``rejoin_timeout_s``, default
@@ -276,6 +293,12 @@ class AFDConfig:
             problem = check_model(model_config, self.compute_gate_on_attention)
             if problem:
                 raise AFDConfigError(problem)
+        import os
+
+        if (warning := self.rejoin_warning(dict(os.environ))) is not None:
+            import logging
+
+            logging.getLogger("vllm.afd").warning("%s", warning)
         scheduler = getattr(vllm_config, "scheduler_config", None)
         max_tokens = getattr(scheduler, "max_num_batched_tokens", None)
         if self.is_ffn and _is_int(max_tokens):
