@@ -418,6 +418,17 @@ def test_outage_gauge_and_rejoin_counters_in_prometheus():
     assert fams["vllm:afd_peer_up"].samples[0].value == 0.0
 
 
+def test_health_says_an_attention_rank_waits_for_its_ffn_rank():
+    up = {"role": "attention", "rank": 0, "peers": {"ffn_rank_0": True}, "outage_seconds": 0.0}
+    ffn = {"role": "ffn", "rank": 0, "peers": {}, "outage_seconds": None}
+    assert metrics.health_problem([up, ffn]) is None
+    assert metrics.health_problem([]) is None
+    down = dict(up, peers={"ffn_rank_0": False}, outage_seconds=12.34)
+    msg = metrics.health_problem([down, ffn])
+    assert msg.startswith("AFD: waiting for a lost FFN rank to come back: attention rank 0 ")
+    assert "(12.3 s)" in msg
+
+
 def test_rejoin_is_not_tried_for_micro_batched_steps_or_connectors_that_cannot():
     cfg = types.SimpleNamespace(config=AFDConfig.from_dict({"role": "attention"}))
     can = types.SimpleNamespace(can_rejoin=True, ctx=cfg)

@@ -476,6 +476,24 @@ def collect_families(snapshots: list[dict]):
     yield from (f for f in families if f.samples)
 
 
+def health_problem(snapshots: list[dict] | None = None) -> str | None:
+    """Why this server is alive but not ready, for its /health (patch 0018): an AFD
+    attention rank of it is waiting for its lost FFN rank (its step held, requests queued,
+    see vllm.afd.rejoin). None when all is well or the server runs no AFD attention rank.
+    ``snapshots``: those of :func:`read_snapshots` (default: this server's)."""
+    waiting = []
+    for snap in read_snapshots() if snapshots is None else snapshots:
+        outage = snap.get("outage_seconds")
+        if snap.get("role") == "attention" and isinstance(outage, (int, float)) and outage > 0:
+            waiting.append(f"attention rank {snap.get('rank')} ({outage:.1f} s)")
+    if not waiting:
+        return None
+    return (
+        f"AFD: waiting for a lost FFN rank to come back: {', '.join(waiting)} since the loss; "
+        "requests are held until it rejoins or rejoin_timeout_s passes"
+    )
+
+
 class AFDCollector:
     """prometheus_client collector over the AFD snapshots of this server."""
 
