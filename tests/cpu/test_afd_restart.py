@@ -3,8 +3,9 @@ CPU (1 attention + 1 FFN, connector gloo) streams 16 concurrent greedy requests;
 FFN server is stopped (SIGKILL to its process group, or SIGTERM to its API server: an
 upgrade) and started again on the same ports N seconds after it is gone. Every request
 completes, with no client error and the greedy tokens of plain vLLM (``afd_proc.py plain``),
-and the attention server's /metrics say the outage while it lasts (``vllm:afd_peer_up`` 0,
-``vllm:afd_peer_outage_seconds`` growing) and count the rejoin afterwards.
+and while the outage lasts the attention server's /health answers 503 with the reason and its
+/metrics say it (``vllm:afd_peer_up`` 0, ``vllm:afd_peer_outage_seconds`` growing); afterwards
+/health is 200 again and the rejoin is counted.
 
 One pair serves all three outages (SIGKILL with N = 2 and 15 s, SIGTERM with N = 2 s); the
 attention server's ``rejoin_timeout_s`` covers an FFN restart on this loaded 2-core machine.
@@ -225,8 +226,10 @@ def test_ffn_restart_loses_no_request(pair, reference, sig, down_s):
     # while the FFN server is down: the attention server is up, says so, and waits
     got = wait_for(lambda: (m := scrape(attn))["vllm:afd_peer_up"] == 0.0 and m, 30,
                    "vllm:afd_peer_up 0")  # fmt: skip
-    status, _ = su.http_get(f"{attn.url}/health", timeout=5)
-    assert status == 200 and attn.alive()
+    # /health: alive but not ready (patch 0018), with the reason
+    status, body = su.http_get(f"{attn.url}/health", timeout=5)
+    assert status == 503 and attn.alive(), (status, body)
+    assert body.startswith("AFD: waiting for a lost FFN rank to come back: attention rank 0"), body
     time.sleep(max(0.0, down_s - (time.monotonic() - t_gone)))  # the outage's length
     outage = scrape(attn)["vllm:afd_peer_outage_seconds"]
     assert outage >= down_s - 0.5, (outage, got)
@@ -242,6 +245,7 @@ def test_ffn_restart_loses_no_request(pair, reference, sig, down_s):
         assert res["finish_reason"] == "length" and res["done"], res
         assert toks == reference[i], f"stream {i}: tokens differ from plain vLLM"
     after = scrape(attn)
+    assert su.http_get(f"{attn.url}/health", timeout=5)[0] == 200
     assert after["vllm:afd_peer_up"] == 1.0
     assert after["vllm:afd_peer_outage_seconds"] == 0.0
     assert after["vllm:afd_rejoins_total"] == rejoins + 1
