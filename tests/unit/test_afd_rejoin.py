@@ -16,6 +16,7 @@ import pytest
 import torch
 from tcp_lib import HIDDEN, HOST, MAX_TOKENS, Bg, fingerprint, wait_until
 
+import serve_util as su
 from serve_util import free_port
 from vllm.afd import metrics, rejoin
 from vllm.afd.attention import AttentionClient
@@ -28,15 +29,25 @@ TIMEOUT = 2.0
 
 
 def ctx(
-    role: str, port: int, rejoin_timeout_s=None, num_router_logits=None, **fp_changes
+    role: str,
+    port: int,
+    rejoin_timeout_s=None,
+    num_router_logits=None,
+    rank=0,
+    m=1,
+    n=1,
+    extra=None,
+    timeout=TIMEOUT,
+    **fp_changes,
 ) -> ConnectorContext:
-    raw = {"role": role, "connector": "tcp", "host": HOST, "port": port, "timeout_s": TIMEOUT}
+    raw = {"role": role, "connector": "tcp", "host": HOST, "port": port, "timeout_s": timeout,
+           "num_attention_ranks": m, "num_ffn_ranks": n, "connector_extra_config": extra or {}}  # fmt: skip
     if rejoin_timeout_s is not None:
         raw["rejoin_timeout_s"] = rejoin_timeout_s
     return ConnectorContext(
         config=AFDConfig.from_dict(raw),
-        rank=0,
-        fingerprint=fingerprint(**fp_changes),
+        rank=rank,
+        fingerprint=fingerprint(num_attention_ranks=m, num_ffn_ranks=n, **fp_changes),
         max_num_tokens=MAX_TOKENS,
         device=torch.device("cpu"),
         num_router_logits=num_router_logits,
@@ -83,8 +94,8 @@ class FakeFFN:
     """A TCP FFN rank on ``port`` whose layers double their input (``layers`` per step);
     it records the inputs it received per step."""
 
-    def __init__(self, port: int, layers: int, gated_width: int = 0, **fp_changes):
-        self.conn = tcp.TCPFFNConnector(ctx("ffn", port, **fp_changes))
+    def __init__(self, port: int, layers: int, gated_width: int = 0, **kw):
+        self.conn = tcp.TCPFFNConnector(ctx("ffn", port, **kw))
         self.layers = layers
         # > 0: every layer also receives router logits of this width (gate on attention)
         self.gated_width = gated_width
@@ -139,8 +150,8 @@ class FakeFFN:
 def ffns():
     made: list[FakeFFN] = []
 
-    def make(port, layers=3, gated_width=0, **fp_changes):
-        f = FakeFFN(port, layers, gated_width, **fp_changes)
+    def make(port, layers=3, gated_width=0, **kw):
+        f = FakeFFN(port, layers, gated_width, **kw)
         made.append(f)
         return f
 
@@ -345,6 +356,41 @@ def test_rejoin_retries_while_the_ffn_still_holds_the_old_connection(ffns, atten
     job.get(10)
     assert att.is_up()
     wait_until(lambda: 0 in ffn.conn.peers, 5.0, "the rank taken again")
+
+
+def test_failover_to_another_ffn_replica_and_back(ffns, attention):
+    """2A2F replicas, connector_extra_config.ffn_failover: attention rank 0 loses FFN rank 0
+    mid-step and is served at once by FFN rank 1 (which takes it as a guest: simulated here,
+    the FFN side does not accept guests yet); once FFN rank 0 is back, rank 0 moves home
+    between steps."""
+    port = su.free_ports(2, consecutive=True)[0]
+    topo = dict(m=2, n=2, timeout=30.0)
+    first = ffns(port, layers=2, rank=0, **topo)
+    other = ffns(port, layers=2, rank=1, **topo)  # listens on port + 1
+    other.conn.expected.add(0)  # the guest acceptance the FFN side would need
+    att = attention(port, rejoin_timeout_s=20, extra={"ffn_failover": True}, **topo)
+    assert att._replicas() == [0, 1]
+    Bg(att.connect).get()
+    client = client_for(att, 2)
+    x0, x1 = torch.randn(2, HIDDEN), torch.randn(2, HIDDEN)
+    assert torch.equal(client.exchange(x0, 0), 2 * x0)
+    first.close()
+    t0 = time.monotonic()
+    assert torch.equal(client.exchange(x1, 1), 2 * x1)  # the re-run, on FFN rank 1
+    assert time.monotonic() - t0 < 3.0
+    assert att.ffn_rank == 1 and client.peers() == {"ffn_rank_1": True}
+    wait_until(lambda: other.steps, 5.0, "the re-run served by the replica")
+    home = ffns(port, layers=2, rank=0, **topo)
+    wait_until(lambda: att.ffn_rank == 0, 8.0, "the move back home")
+    x = torch.randn(3, HIDDEN)
+    assert all(torch.equal(client.exchange(x, i), 2 * x) for i in range(2))
+    wait_until(lambda: home.steps, 5.0, "the next step served at home")
+    wait_until(lambda: 0 not in other.conn.peers, 5.0, "the replica let the guest go")
+
+
+def test_without_failover_a_rank_waits_for_its_own_ffn_rank(attention):
+    att = attention(free_port(), rejoin_timeout_s=5, m=2, n=2)
+    assert att._replicas() == [0]
 
 
 def test_without_rejoin_a_lost_ffn_ends_the_step(ffns, attention):

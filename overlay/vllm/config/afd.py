@@ -222,6 +222,9 @@ class AFDConfig:
         secret_env = self.connector_extra_config.get("secret_env")
         if secret_env is not None and not isinstance(secret_env, str):
             fail("connector_extra_config.secret_env must be the name of an environment variable")
+        failover = self.connector_extra_config.get("ffn_failover", False)
+        if not isinstance(failover, bool):
+            fail(f"connector_extra_config.ffn_failover must be true or false; got {failover!r}")
         graphs = self.connector_extra_config.get("ffn_cuda_graphs", True)
         if not isinstance(graphs, bool):
             fail(f"connector_extra_config.ffn_cuda_graphs must be true or false; got {graphs!r}")

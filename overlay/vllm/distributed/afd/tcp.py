@@ -142,6 +142,10 @@ DIAL_RETRY_S = (0.2, 0.2)
 # retries it like "busy").
 ALREADY_CONNECTED = " is already connected"
 REJOIN_BACKOFF_S = (0.1, 1.0)
+# Failover (connector_extra_config.ffn_failover): how long one replica is tried in a
+# round, and how often a rank served by another replica tries its own again.
+FAILOVER_TRY_S = 0.5
+REBALANCE_S = 1.0
 
 
 class _Busy(Exception):
@@ -155,9 +159,10 @@ class TCPAttentionConnector(AttentionConnector):
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         cfg = ctx.config
-        self.ffn_rank = cfg.ffn_rank_of(ctx.rank)
-        self.addr = (cfg.host, cfg.ffn_port(self.ffn_rank))
-        self.peer = f"FFN rank {self.ffn_rank} at {cfg.host}:{self.addr[1]}"
+        # The FFN rank that serves this rank (its home); after a loss, with
+        # connector_extra_config.ffn_failover, another replica may serve it meanwhile.
+        self.home = cfg.ffn_rank_of(ctx.rank)
+        self._aim(self.home)
         self.timeout = float(cfg.timeout_s)
         self.secret_env, self.secret = shared_secret(ctx)
         self.sock: socket.socket | None = None
@@ -175,6 +180,7 @@ class TCPAttentionConnector(AttentionConnector):
         # Rejoin (reconnect): one at a time; when the FFN rank was lost.
         self._rejoin_lock = threading.Lock()
         self._lost_at: float | None = None
+        self._next_home_try = 0.0  # failover: when to try the home FFN rank again
 
     # -- connection ------------------------------------------------------
     def connect(self) -> None:
@@ -235,7 +241,10 @@ class TCPAttentionConnector(AttentionConnector):
             if self._lost_at is None:
                 self._lost_at = time.monotonic()
             self._drop_connection()
-            sock = self._establish(deadline, REJOIN_BACKOFF_S, rejoining=True)
+            if len(self._replicas()) > 1:
+                sock = self._establish_any(deadline)
+            else:
+                sock = self._establish(deadline, REJOIN_BACKOFF_S, rejoining=True)
             if self._closed.is_set():  # closed meanwhile (the engine stops)
                 sock.close()
                 raise AFDPeerError(f"AFD attention rank closed while rejoining {self.peer}")
@@ -251,6 +260,89 @@ class TCPAttentionConnector(AttentionConnector):
                 "AFD: attention rank %d rejoined %s after %.2f s without it",
                 self.ctx.rank, self.peer, outage,
             )  # fmt: skip
+
+    # -- failover between FFN replicas (connector_extra_config.ffn_failover) --
+    def _aim(self, ffn_rank: int) -> None:
+        """Dial FFN rank ``ffn_rank`` from now on (its address, its name in messages)."""
+        cfg = self.ctx.config
+        self.ffn_rank = ffn_rank
+        self.addr = (cfg.host, cfg.ffn_port(ffn_rank))
+        self.peer = f"FFN rank {ffn_rank} at {cfg.host}:{self.addr[1]}"
+
+    def _replicas(self) -> list[int]:
+        """The FFN ranks a rejoin tries, in order: the home rank, then (with
+        ffn_failover, num_ffn_ranks > 1: every FFN rank holds all the experts)
+        the other replicas."""
+        cfg = self.ctx.config
+        n = cfg.num_ffn_ranks
+        if n == 1 or not cfg.connector_extra_config.get("ffn_failover", False):
+            return [self.home]
+        return [(self.home + i) % n for i in range(n)]
+
+    def _establish_any(self, deadline: float) -> socket.socket:
+        """A handshaken connection to the first replica that takes this rank, in
+        rounds over _replicas() (a short try each) until ``deadline``. A replica
+        that refuses the rank (it does not serve guests) is passed over; the home
+        rank of another deployment fails at once."""
+        wait = REJOIN_BACKOFF_S[0]
+        last: Exception | None = None
+        while True:
+            for f in self._replicas():
+                self._aim(f)
+                try_until = min(deadline, time.monotonic() + FAILOVER_TRY_S)
+                try:
+                    return self._establish(try_until, (FAILOVER_TRY_S,) * 2, rejoining=True)
+                except AFDHandshakeError as e:
+                    if f == self.home:
+                        raise
+                    last = e
+                except AFDPeerError as e:
+                    last = e
+            self._aim(self.home)
+            if time.monotonic() >= deadline:
+                raise AFDPeerError(
+                    f"no AFD FFN replica of {self.peer} took this rank by the deadline: {last}"
+                )
+            time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
+            wait = min(REJOIN_BACKOFF_S[1], 2 * wait)
+
+    def _rebalance(self) -> None:
+        """Served by another replica (failover): between steps, try the home FFN
+        rank and move back to it once it takes this rank again."""
+        now = time.monotonic()
+        if self.ffn_rank == self.home or now < self._next_home_try:
+            return
+        self._next_home_try = now + REBALANCE_S
+        with self._rejoin_lock:
+            guest, guest_peer = self.ffn_rank, self.peer
+            self._aim(self.home)
+            try:
+                sock = self._establish(now + FAILOVER_TRY_S, (1.0, 1.0), rejoining=True)
+            except (AFDPeerError, AFDHandshakeError):
+                self._aim(guest)
+                return
+            with self._lock:
+                moved = not (self._in_step or self._dead)
+                if moved:
+                    old, self.sock = self.sock, sock
+                    # DBO's background reader reads a duplicate of the old socket
+                    reader, self._reader = self._reader, None
+                    rsock, self._rsock = self._rsock, None
+            if not moved:  # a step began meanwhile: try again later
+                with contextlib.suppress(AFDPeerError):
+                    send_all(sock, Control(MSG_GOODBYE).pack(), 2.0, self.peer)
+                sock.close()
+                self._aim(guest)
+                return
+        with contextlib.suppress(AFDPeerError):
+            send_all(old, Control(MSG_GOODBYE).pack(), 2.0, guest_peer)
+        old.close()
+        if reader is not None:
+            reader.shutdown(wait=False, cancel_futures=True)
+        if rsock is not None:
+            rsock.close()
+        logger.warning("AFD: attention rank %d moved back from %s to its own %s",
+                       self.ctx.rank, guest_peer, self.peer)  # fmt: skip
 
     def _drop_connection(self) -> None:
         """Close the lost connection (and the background reader of DBO steps)."""
@@ -427,6 +519,8 @@ class TCPAttentionConnector(AttentionConnector):
                         lost = True
             if lost:
                 self._rejoin_in_background()
+            else:
+                self._rebalance()
 
     def _check(self) -> socket.socket:
         if self._dead:
