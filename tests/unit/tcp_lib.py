@@ -182,12 +182,20 @@ def step_to_ffn(ffn, att, step_id: int, n: int):
     """Attention begins a step and sends one layer of n random rows; the FFN receives it.
     Returns (step peer, the rows sent, the rows received)."""
     att.begin_step(step_id, n)
-    (peer,) = wait_peers(ffn, [0]).values()
+    (peer,) = wait_peers(ffn, [att.ctx.rank]).values()
     x = torch.randn(n, HIDDEN)
     att.send(x)
     buf = torch.empty(n, HIDDEN)
     ffn.recv(peer, buf)
     return peer, x, buf
+
+
+def serve_one_step(ffn, att, step_id: int, n: int = 2) -> None:
+    """One single-layer step of ``att``, answered by the FFN rank with x + 1."""
+    peer, x, buf = step_to_ffn(ffn, att, step_id, n)
+    ffn.send(peer, buf + 1)
+    assert torch.equal(att.recv(torch.empty(n, HIDDEN)), x + 1)
+    att.end_step()
 
 
 def assert_dropped(sock: socket.socket, timeout: float = 5.0) -> None:

@@ -6,10 +6,9 @@ attention rank's reply shows whether it got its own rows back."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from ffn_fakes import FakeRunner, no_forward_context  # noqa: F401 - the fixture
 
 from vllm.afd import ffn_runner
 from vllm.afd import protocol as P
@@ -38,34 +37,11 @@ class _Conn:
         self.sent.append((peer.rank, y[:, 0].tolist()))
 
 
-class _Runner(ffn_runner.FFNModelRunner):
-    def __init__(self, conn, layers=2, bound=BOUND):
-        self.connector = conn
-        self.rows_per_call: list[int] = []
-
-        def block(x, i):
-            self.rows_per_call.append(x.shape[0])
-            return x * 10 + i
-
-        self.modules = {i: (lambda x, i=i: block(x, i)) for i in range(layers)}
-        self.gates = {}
-        self.dtype, self.hidden_size, self.device = torch.float32, HIDDEN, torch.device("cpu")
-        self.vllm_config = None
-        self._sync_timing = False
-        self.steps_served = self.batched_steps = self.ubatched_steps = 0
-        self.graphs_enabled = False
-        self.profiler = None
-        self.max_pass_tokens = bound
-        self._pending = []
-        self.split_steps = 0
-        self._lost, self.peers_lost = set(), 0
+def make_runner(conn, layers=2, bound=BOUND) -> FakeRunner:
+    return FakeRunner(conn, layers, HIDDEN, bound)
 
 
-@pytest.fixture(autouse=True)
-def _no_forward_context(monkeypatch):
-    import vllm.forward_context as fc
-
-    monkeypatch.setattr(fc, "set_forward_context", lambda *a, **k: contextlib.nullcontext())
+pytestmark = pytest.mark.usefixtures("no_forward_context")
 
 
 def steps(*tokens: int) -> list[StepPeer]:
@@ -98,7 +74,7 @@ def test_a_step_above_the_bound_is_refused():
 # --------------------------------------------------------------------- one FFN rank
 def test_steps_beyond_the_bound_run_in_several_passes():
     conn = _Conn()
-    r = _Runner(conn)
+    r = make_runner(conn)
     r._run_step(steps(20, 30, 50))  # 100 tokens from 3 attention ranks; bound 64
     assert max(r.rows_per_call) <= BOUND
     assert r.rows_per_call == [50, 50, 50, 50]  # (20 + 30, then 50) x 2 layers
@@ -112,7 +88,7 @@ def test_steps_beyond_the_bound_run_in_several_passes():
 
 
 def test_steps_within_the_bound_share_one_pass():
-    r = _Runner(_Conn())
+    r = make_runner(_Conn())
     r._run_step(steps(16, 16, 32))
     assert r.rows_per_call == [64, 64]
     assert (r.steps_served, r.batched_steps, r.split_steps) == (1, 1, 0)
@@ -123,7 +99,7 @@ def test_an_ffn_group_member_holds_back_what_is_beyond_the_bound(monkeypatch):
     """A group member contributes at most the bound to a group step; the steps held back
     are served by the next group steps before it waits for new ones."""
     conn = _Conn([steps(20, 30, 50)])
-    r = _Runner(conn)
+    r = make_runner(conn)
     r.group = object()
     r.rank = 0
     r._group_window = 0.0

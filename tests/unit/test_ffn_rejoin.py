@@ -10,17 +10,16 @@ ends (its NCCL group cannot be formed again)."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
 import tcp_lib
 import test_nccl_connector
 import torch
-from tcp_lib import HIDDEN, Bg, kill, wait_lost, wait_peers, wait_until
+from ffn_fakes import FakeRunner, no_forward_context  # noqa: F401 - the fixture
+from tcp_lib import HIDDEN, Bg, kill, serve_one_step, wait_lost, wait_peers, wait_until
 
 from serve_util import free_port
-from vllm.afd import ffn_runner
 from vllm.afd import protocol as P
 from vllm.distributed.afd import tcp
 from vllm.distributed.afd.base import StepPeer
@@ -48,35 +47,22 @@ def two_ranks(net, timeout: float = 5.0):
     return port, ffn, atts
 
 
-def serve_step(ffn, att, step_id: int, n: int = 2) -> None:
-    """One single-layer step of ``att``, answered by the FFN rank with x + 1."""
-    att.begin_step(step_id, n)
-    (peer,) = wait_peers(ffn, [att.ctx.rank]).values()
-    x = torch.randn(n, HIDDEN)
-    att.send(x)
-    buf = torch.empty(n, HIDDEN)
-    ffn.recv(peer, buf)
-    ffn.send(peer, buf + 1)
-    assert torch.equal(att.recv(torch.empty(n, HIDDEN)), x + 1)
-    att.end_step()
-
-
 @pytest.mark.parametrize("rst", [True, False], ids=["reset", "fin"])
 def test_a_lost_rank_is_dropped_and_the_other_served_on(net, rst):
     _, ffn, (att0, att1) = two_ranks(net)
-    serve_step(ffn, att1, 1)
+    serve_one_step(ffn, att1, 1)
     kill(att1.sock, rst)
     t0 = time.monotonic()
     assert "lost AFD peer attention rank 1 at 127.0.0.1:" in wait_lost(ffn, 1)
     assert time.monotonic() - t0 < 1.5  # EOF or reset at once, not after timeout_s
     assert ffn.peer_states() == {"attention_rank_0": True, "attention_rank_1": False}
-    serve_step(ffn, att0, 1)
-    serve_step(ffn, att0, 2)
+    serve_one_step(ffn, att0, 1)
+    serve_one_step(ffn, att0, 2)
 
 
 def test_the_same_rank_is_taken_again_after_its_server_restarts(net):
     port, ffn, (att0, att1) = two_ranks(net)
-    serve_step(ffn, att1, 7)
+    serve_one_step(ffn, att1, 7)
     kill(att1.sock, rst=True)
     t_lost = time.monotonic()
     wait_lost(ffn, 1)
@@ -86,15 +72,15 @@ def test_the_same_rank_is_taken_again_after_its_server_restarts(net):
     took = time.monotonic() - t_lost
     print(f"attention rank 1: lost -> accepted again in {took * 1e3:.0f} ms")
     assert ffn.peer_states() == {"attention_rank_0": True, "attention_rank_1": True}
-    serve_step(ffn, again, 1)
-    serve_step(ffn, att0, 1)
+    serve_one_step(ffn, again, 1)
+    serve_one_step(ffn, att0, 1)
     # and lost again, taken again: as often as it restarts
     kill(again.sock, rst=False)
     wait_lost(ffn, 1)
     third = attention(net, port, 1)
     Bg(third.connect).get()
     wait_until(lambda: 1 in ffn.peers, what="rank 1 accepted a third time")
-    serve_step(ffn, third, 1)
+    serve_one_step(ffn, third, 1)
 
 
 def test_a_protocol_error_drops_only_that_rank(net):
@@ -104,7 +90,7 @@ def test_a_protocol_error_drops_only_that_rank(net):
     with att1._lock:  # a second step id 5: the stream is out of step
         att1.sock.sendall(P.Control(P.MSG_STEP, 5, 1).pack())
     assert "broke the protocol: step id 5 after step 5" in wait_lost(ffn, 1)
-    serve_step(ffn, att0, 1)
+    serve_one_step(ffn, att0, 1)
 
 
 def test_a_rejoin_of_another_deployment_is_refused(net):
@@ -115,7 +101,7 @@ def test_a_rejoin_of_another_deployment_is_refused(net):
     with pytest.raises(P.AFDHandshakeError, match="fingerprint mismatch on 'afd_revision'"):
         Bg(other.connect).get()
     assert 1 not in ffn.peers
-    serve_step(ffn, att0, 1)
+    serve_one_step(ffn, att0, 1)
 
 
 def test_a_rank_still_connected_cannot_be_replaced(net):
@@ -126,7 +112,7 @@ def test_a_rank_still_connected_cannot_be_replaced(net):
     dup = attention(net, port, 1)
     with pytest.raises(P.AFDHandshakeError, match="attention rank 1 is already connected"):
         Bg(dup.connect).get()
-    serve_step(ffn, att1, 1)
+    serve_one_step(ffn, att1, 1)
 
 
 def test_an_nccl_ffn_rank_still_ends_when_a_rank_is_lost(group):
@@ -140,29 +126,12 @@ def test_an_nccl_ffn_rank_still_ends_when_a_rank_is_lost(group):
 
 
 # ------------------------------------------------------- the runner's step in flight
-class _Runner(ffn_runner.FFNModelRunner):
+def make_runner(conn, layers: int = 2) -> FakeRunner:
     """The serve loop's step code with two layers (layer i: x * 10 + i); no model."""
-
-    def __init__(self, conn, layers: int = 2):
-        self.connector = conn
-        self.modules = {i: (lambda x, i=i: x * 10 + i) for i in range(layers)}
-        self.gates = {}
-        self.dtype, self.hidden_size, self.device = torch.float32, HIDDEN, torch.device("cpu")
-        self.vllm_config = None
-        self._sync_timing = False
-        self.steps_served = self.batched_steps = self.ubatched_steps = 0
-        self.graphs_enabled = False
-        self.profiler = None
-        self.max_pass_tokens = 64
-        self._pending, self.split_steps = [], 0
-        self._lost, self.peers_lost = set(), 0
+    return FakeRunner(conn, layers, HIDDEN)
 
 
-@pytest.fixture(autouse=True)
-def _no_forward_context(monkeypatch):
-    import vllm.forward_context as fc
-
-    monkeypatch.setattr(fc, "set_forward_context", lambda *a, **k: contextlib.nullcontext())
+pytestmark = pytest.mark.usefixtures("no_forward_context")
 
 
 @pytest.mark.parametrize("at", ["recv", "send"])
@@ -171,7 +140,7 @@ def test_a_step_in_flight_goes_on_for_the_other_rank(net, at):
     input, or before reading layer 0's output): rank 0 gets every layer's right output,
     rank 1 is dropped, and the next round serves rank 0 alone."""
     _, ffn, (att0, att1) = two_ranks(net)
-    runner = _Runner(ffn)
+    runner = make_runner(ffn)
     for a in (att0, att1):
         a.begin_step(1, 2)
     ready = sorted(wait_peers(ffn, [0, 1]).values(), key=lambda p: p.rank)
@@ -228,7 +197,7 @@ def test_a_rank_lost_in_its_micro_batched_step_leaves_the_plain_step_served():
             self.dropped.append((peer.rank, why))
 
     conn = Conn()
-    runner = _Runner(conn, layers=1)
+    runner = make_runner(conn, layers=1)
     dbo = P.Control(P.MSG_STEP, 4, 2, P.ubatch_flags(0, 2))
     runner._run_step([StepPeer(0, dbo), StepPeer(1, P.Control(P.MSG_STEP, 9, 3))])
     assert conn.dropped == [(0, "lost AFD peer attention rank 0: connection closed")]

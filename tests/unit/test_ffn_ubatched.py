@@ -5,12 +5,9 @@ control messages. A recording connector stands in for the network; the CPU oracl
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import torch
+from ffn_fakes import FakeRunner, no_forward_context  # noqa: F401 - the fixture
 
-from vllm.afd import ffn_runner
 from vllm.afd import protocol as P
 from vllm.distributed.afd.base import StepPeer
 
@@ -37,26 +34,11 @@ class _Conn:
         self.log.append(("send", P.ubatch_of(peer.control.flags)[0], y.shape[0], y[0, 0].item()))
 
 
-class _Runner(ffn_runner.FFNModelRunner):
-    def __init__(self, conn, layers=2):
-        self.connector = conn
-        self.modules = {i: (lambda x, i=i: x * 10 + i) for i in range(layers)}
-        self.gates = {}
-        self.dtype, self.hidden_size, self.device = torch.float32, HIDDEN, torch.device("cpu")
-        self.vllm_config = None
-        self._sync_timing = False
-        self.steps_served = self.batched_steps = self.ubatched_steps = 0
-        self.graphs_enabled = False
-        self.profiler = None
-        self.max_pass_tokens = 64
-        self._lost, self.peers_lost = set(), 0
+def make_runner(conn, layers=2) -> FakeRunner:
+    return FakeRunner(conn, layers, HIDDEN)
 
 
-@pytest.fixture(autouse=True)
-def _no_forward_context(monkeypatch):
-    import vllm.forward_context as fc
-
-    monkeypatch.setattr(fc, "set_forward_context", lambda *a, **k: contextlib.nullcontext())
+pytestmark = pytest.mark.usefixtures("no_forward_context")
 
 
 def _ctrl(index, count, n, step=7):
@@ -65,7 +47,7 @@ def _ctrl(index, count, n, step=7):
 
 def test_micro_batches_alternate_layer_by_layer():
     conn = _Conn([_ctrl(1, 2, 2)])
-    r = _Runner(conn)
+    r = make_runner(conn)
     r._run_step([StepPeer(0, _ctrl(0, 2, 3))])
     assert conn.log == [
         ("recv", 0, 3), ("send", 0, 3, 10.0),  # layer 0, micro-batch 0 (3 tokens)
@@ -78,7 +60,7 @@ def test_micro_batches_alternate_layer_by_layer():
 
 def test_a_plain_step_ready_at_the_same_time_is_served_too():
     conn = _Conn([_ctrl(1, 2, 1)])
-    r = _Runner(conn, layers=1)
+    r = make_runner(conn, layers=1)
     r._run_step([StepPeer(0, _ctrl(0, 2, 1)), StepPeer(1, P.Control(P.MSG_STEP, 3, 5))])
     assert [e for e in conn.log if e[0] == "send"] == [
         ("send", 0, 1, 10.0), ("send", 1, 1, 20.0), ("send", 0, 5, 10.0)
@@ -97,6 +79,6 @@ def test_a_plain_step_ready_at_the_same_time_is_served_too():
     ],
 )
 def test_out_of_order_micro_batches_are_a_peer_error(first, later, message):
-    r = _Runner(_Conn(later))
+    r = make_runner(_Conn(later))
     with pytest.raises(P.AFDPeerError, match=message):
         r._run_step([StepPeer(0, first)])

@@ -22,6 +22,7 @@ from tcp_lib import (
     connected_pair,
     fingerprint,
     make_ctx,
+    serve_one_step,
     wait_lost,
     wait_peers,
     wait_until,
@@ -43,18 +44,6 @@ def read_hello(sock: socket.socket, timeout: float = 5.0) -> dict | None:
         if "did not answer" in str(e):
             raise
         return None
-
-
-def serve_one_step(ffn, att, step_id: int, n: int = 2) -> None:
-    att.begin_step(step_id, n)
-    (peer,) = wait_peers(ffn, [att.ctx.rank]).values()
-    x = torch.randn(n, HIDDEN)
-    att.send(x)
-    buf = torch.empty(n, HIDDEN)
-    ffn.recv(peer, buf)
-    ffn.send(peer, buf + 1)
-    assert torch.equal(att.recv(torch.empty(n, HIDDEN)), x + 1)
-    att.end_step()
 
 
 class Logged:
