@@ -239,7 +239,7 @@ def test_ffn_restart_across_namespaces(netns, model_dir, plain_long, tmp_path, p
     assert new_ffn.stop() == 0, new_ffn.tail()
 
 
-def test_network_cut_ends_both_sides(netns, model_dir, tmp_path, procs):
+def test_network_cut_ends_the_attention_side_and_the_ffn_drops_the_rank(netns, model_dir, tmp_path, procs):
     port = su.free_port()
     # 64 requests of 480 tokens, 4 at a time: the generation cannot end before the cut
     spec = {"prompts": ["Hello, my name is"] * 64, "max_tokens": [480] * 64}
@@ -265,25 +265,27 @@ def test_network_cut_ends_both_sides(netns, model_dir, tmp_path, procs):
     bound = CUT_TIMEOUT_S + 5
     rc = attn.wait_exit(bound + 30)
     attn_s = time.monotonic() - t_cut
-    ffn_rc = ffn.wait_exit(max(0.0, bound + 30 - attn_s))
-    ffn_s = time.monotonic() - t_cut
+    # The FFN rank survives the loss of an attention rank (it serves the others and takes
+    # this one again when its server reconnects): it drops the rank within the bound and
+    # keeps running.
+    lost = "FFN rank 0 lost attention rank 0 ("
+    seen = ffn.wait_for_log(lost, max(0.0, bound + 30 - attn_s))
+    ffn_s = time.monotonic() - t_cut  # when the drop was seen (an upper bound)
     try:
         attn_err = [ln for ln in attn.text().splitlines() if "AFD" in ln and "FFN rank 0" in ln]
-        ffn_err = [ln for ln in ffn.text().splitlines() if "AFD-FFN-FAILED" in ln]
+        ffn_lost = [ln for ln in ffn.text().splitlines() if lost in ln]
         print(
             f"cut: attention ended after {attn_s:.1f} s rc={rc}: "
             f"{attn_err[-1][-200:] if attn_err else attn.tail(5)}"
         )
-        print(
-            f"cut: FFN ended after {ffn_s:.1f} s rc={ffn_rc}: "
-            f"{ffn_err[-1][-200:] if ffn_err else ffn.tail(5)}"
-        )
+        print(f"cut: FFN dropped the rank: {ffn_lost[-1][-200:] if ffn_lost else ffn.tail(5)}")
         assert rc is not None and rc != 0, attn.tail()
         assert attn_s <= bound, f"attention took {attn_s:.1f} s to fail after the cut"
         assert not (tmp_path / "afd.json").exists()
         peer = f"FFN rank 0 at {netns.addr_b}:{port}"
         assert any(peer in ln for ln in attn_err), attn.tail()
-        assert ffn_rc == 3 and ffn_s <= bound, (ffn_rc, ffn_s, ffn.tail())
-        assert ffn_err and f"attention rank 0 at {netns.addr_a}:" in ffn_err[-1], ffn.tail()
+        assert seen is not None and ffn_s <= bound, (ffn_s, ffn.tail())
+        assert f"attention rank 0 at {netns.addr_a}:" in ffn_lost[-1], ffn.tail()
+        assert ffn.p.poll() is None, ffn.tail()  # still serving
     finally:
         _ip("-n", netns.b, "link", "set", netns.veth_b, "up", check=False)
