@@ -360,15 +360,13 @@ def test_rejoin_retries_while_the_ffn_still_holds_the_old_connection(ffns, atten
 
 def test_failover_to_another_ffn_replica_and_back(ffns, attention):
     """2A2F replicas, connector_extra_config.ffn_failover: attention rank 0 loses FFN rank 0
-    mid-step and is served at once by FFN rank 1 (which takes it as a guest: simulated here,
-    the FFN side does not accept guests yet); once FFN rank 0 is back, rank 0 moves home
-    between steps."""
+    mid-step and is served at once by FFN rank 1, which takes it as a guest; once FFN rank 0
+    is back, rank 0 moves home between steps and FFN rank 1 lets the guest go."""
     port = su.free_ports(2, consecutive=True)[0]
-    topo = dict(m=2, n=2, timeout=30.0)
+    topo = dict(m=2, n=2, timeout=30.0, extra={"ffn_failover": True})
     first = ffns(port, layers=2, rank=0, **topo)
     other = ffns(port, layers=2, rank=1, **topo)  # listens on port + 1
-    other.conn.expected.add(0)  # the guest acceptance the FFN side would need
-    att = attention(port, rejoin_timeout_s=20, extra={"ffn_failover": True}, **topo)
+    att = attention(port, rejoin_timeout_s=20, **topo)
     assert att._replicas() == [0, 1]
     Bg(att.connect).get()
     client = client_for(att, 2)
@@ -380,12 +378,14 @@ def test_failover_to_another_ffn_replica_and_back(ffns, attention):
     assert time.monotonic() - t0 < 3.0
     assert att.ffn_rank == 1 and client.peers() == {"ffn_rank_1": True}
     wait_until(lambda: other.steps, 5.0, "the re-run served by the replica")
+    assert other.conn.guest_ranks() == [0]
     home = ffns(port, layers=2, rank=0, **topo)
     wait_until(lambda: att.ffn_rank == 0, 8.0, "the move back home")
     x = torch.randn(3, HIDDEN)
     assert all(torch.equal(client.exchange(x, i), 2 * x) for i in range(2))
     wait_until(lambda: home.steps, 5.0, "the next step served at home")
     wait_until(lambda: 0 not in other.conn.peers, 5.0, "the replica let the guest go")
+    assert other.conn.guest_ranks() == []
 
 
 def test_without_failover_a_rank_waits_for_its_own_ffn_rank(attention):

@@ -251,9 +251,10 @@ class FFNModelRunner:
         self._graph_gen = -1
         self._graph_pool = None
         self.graph_replays = 0
-        # Several attention ranks on this FFN rank: each pass's device work ends before
-        # the next pass is chosen (see _settle).
-        self._settle_passes = settles_passes(self.device.type, len(cfg.attention_ranks_of(rank)))
+        # Several attention ranks on this FFN rank (a guest too, ffn_failover): each
+        # pass's device work ends before the next pass is chosen (see _settle).
+        ranks = len(cfg.attention_ranks_of(rank)) + int(cfg.ffn_failover)
+        self._settle_passes = settles_passes(self.device.type, ranks)
         self.connector.start()
         metrics.STATS.start("ffn", rank, self.connector.peer_states)
         logger.info(cfg.ffn_pass_message(

@@ -222,9 +222,7 @@ class AFDConfig:
         secret_env = self.connector_extra_config.get("secret_env")
         if secret_env is not None and not isinstance(secret_env, str):
             fail("connector_extra_config.secret_env must be the name of an environment variable")
-        failover = self.connector_extra_config.get("ffn_failover", False)
-        if not isinstance(failover, bool):
-            fail(f"connector_extra_config.ffn_failover must be true or false; got {failover!r}")
+        self._validate_failover(fail)
         graphs = self.connector_extra_config.get("ffn_cuda_graphs", True)
         if not isinstance(graphs, bool):
             fail(f"connector_extra_config.ffn_cuda_graphs must be true or false; got {graphs!r}")
@@ -238,6 +236,34 @@ class AFDConfig:
             value = self.connector_extra_config.get(key, default)
             if not _is_int(value) or value < 0:
                 fail(f"connector_extra_config.{key} must be a non-negative integer; got {value!r}")
+
+    def _validate_failover(self, fail) -> None:
+        """connector_extra_config.ffn_failover: FFN replicas (num_ffn_ranks > 1 servers,
+        each holding every expert) on the gloo connector; an FFN group is refused in
+        _verify_parallel (its ranks split the experts, none can serve another's rank)."""
+        failover = self.connector_extra_config.get("ffn_failover", False)
+        if not isinstance(failover, bool):
+            fail(f"connector_extra_config.ffn_failover must be true or false; got {failover!r}")
+        if not failover:
+            return
+        if self.num_ffn_ranks < 2:
+            fail(
+                "connector_extra_config.ffn_failover needs FFN replicas to fail over to "
+                f"(num_ffn_ranks > 1, one FFN server each); got num_ffn_ranks "
+                f"{self.num_ffn_ranks}: drop the key (a lost FFN rank is rejoined, "
+                "rejoin_timeout_s)"
+            )
+        if self.connector != "gloo":
+            fail(
+                "connector_extra_config.ffn_failover is served by connector 'gloo' (tcp) in "
+                f"this release; got {self.connector!r}: drop the key"
+            )
+
+    @property
+    def ffn_failover(self) -> bool:
+        """An attention rank whose FFN rank is lost fails over to another FFN replica,
+        and an FFN rank takes such ranks as guests (connector_extra_config.ffn_failover)."""
+        return self.connector_extra_config.get("ffn_failover", False) is True
 
     def _validate_rejoin(self, fail) -> None:
         value = self.rejoin_timeout_s
@@ -354,6 +380,14 @@ class AFDConfig:
             )
         if tp == 1:
             return
+        if self.ffn_failover:
+            raise AFDConfigError(
+                f"AFD: connector_extra_config.ffn_failover needs FFN replicas, one FFN server "
+                f"per FFN rank each holding every expert; this FFN server is an FFN group "
+                f"(tensor_parallel_size={tp}) whose ranks split the experts, so none can "
+                "serve another's attention ranks (and the group ends as one): drop the key, "
+                "or run num_ffn_ranks servers with tensor_parallel_size 1"
+            )
         if not self.is_ffn:
             raise AFDConfigError(
                 f"AFD: tensor parallelism on the attention role is not supported yet "

@@ -9,6 +9,9 @@ optional challenge-response authentication, fingerprint) is here.
 
 Rank layout: FFN rank ``f`` listens on ``host:port+f`` and serves attention
 ranks ``f*k .. f*k+k-1`` with ``k = num_attention_ranks / num_ffn_ranks``.
+With ``connector_extra_config.ffn_failover`` (FFN replicas, each holding every
+expert) an FFN rank also serves, as a guest, an attention rank of another replica
+whose hello says it fails over here, until that rank goes back home.
 """
 
 from __future__ import annotations
@@ -146,6 +149,9 @@ REJOIN_BACKOFF_S = (0.1, 1.0)
 # round, and how often a rank served by another replica tries its own again.
 FAILOVER_TRY_S = 0.5
 REBALANCE_S = 1.0
+# The hello field of an attention rank that dials a replica other than its home
+# FFN rank (failover): that replica takes it as a guest when it has ffn_failover.
+HELLO_FAILOVER = "failover"
 
 
 class _Busy(Exception):
@@ -428,6 +434,8 @@ class TCPAttentionConnector(AttentionConnector):
         nonce = new_nonce()
         local = _hello_payload(self.ctx, "attention")
         local.update(nonce=nonce, auth=AUTH_REQUIRED if self.secret else AUTH_NONE)
+        if self.ffn_rank != self.home:
+            local[HELLO_FAILOVER] = True  # a guest there: its home FFN rank is away
         send_hello(sock, local, self.timeout, self.peer)
         # At start-up a hello gets 10 s even past the deadline; a rejoin keeps to it.
         hello_deadline = deadline if rejoining else max(deadline, time.monotonic() + 10.0)
@@ -706,6 +714,10 @@ class TCPFFNConnector(FFNConnector):
         cfg = ctx.config
         self.batch_window = float(cfg.connector_extra_config.get("batch_window_ms", 5.0)) / 1e3
         self.expected = set(cfg.attention_ranks_of(ctx.rank))
+        # ffn_failover: attention ranks of other replicas served while their home FFN
+        # rank is away (guests: served like own ranks, not waited for at start).
+        self.takes_guests = cfg.ffn_failover
+        self.guests: set[int] = set()
         self.addr = (cfg.host, cfg.ffn_port(ctx.rank))
         self.timeout = float(cfg.timeout_s)
         self.secret_env, self.secret = shared_secret(ctx)
@@ -913,13 +925,30 @@ class TCPFFNConnector(FFNConnector):
         if mismatch is None and remote.get("role") != "attention":
             mismatch = f"peer role is {shown(remote.get('role'))}, expected 'attention'"
         if mismatch is None and rank not in self.expected:
-            mismatch = (
-                f"attention rank {shown(rank)} is not served by FFN rank {self.ctx.rank} "
-                f"(it serves {sorted(self.expected)})"
-            )
+            mismatch = self._guest_refusal(rank, remote)
         if mismatch:
             return self._refuse_hello(sock, addr, mismatch, proof)
         return self._admit(rank, sock, addr, proof)
+
+    def _guest_refusal(self, rank: int, remote: dict) -> str | None:
+        """Why attention rank ``rank``, not one of this FFN rank's own, is refused;
+        None when it is taken as a guest: its hello says it fails over here (its home
+        FFN rank is away), it is a rank of this deployment (the fingerprint matched)
+        and this FFN rank has ffn_failover."""
+        why = (
+            f"attention rank {shown(rank)} is not served by FFN rank {self.ctx.rank} "
+            f"(it serves {sorted(self.expected)})"
+        )
+        if remote.get(HELLO_FAILOVER) is not True:
+            return why
+        if not self.takes_guests:
+            return (
+                f"{why}; it fails over here, but this FFN server does not take guests: set "
+                "connector_extra_config.ffn_failover true on every server of the deployment"
+            )
+        if not 0 <= rank < self.ctx.config.num_attention_ranks:
+            return f"{why}; no such attention rank in this deployment"
+        return None
 
     def _hello_rank(self, sock: socket.socket, addr: str, remote: dict) -> int | None:
         rank = remote.get("rank")
@@ -1023,11 +1052,21 @@ class TCPFFNConnector(FFNConnector):
                 sock.close()
                 return False
             self.peers[rank] = Peer(rank, sock, addr)
-            if set(self.peers) == self.expected:
+            guest = rank not in self.expected
+            if guest:
+                self.guests.add(rank)
+            if self.expected <= set(self.peers):
                 self._ever_complete = True
-        logger.info(
-            "AFD: FFN rank %d accepted attention rank %d from %s", self.ctx.rank, rank, addr
-        )
+        if guest:
+            logger.warning(
+                "AFD: FFN rank %d took attention rank %d from %s as a guest (failover: its "
+                "own FFN rank %d is away); serving it until it goes back",
+                self.ctx.rank, rank, addr, self.ctx.config.ffn_rank_of(rank),
+            )  # fmt: skip
+        else:
+            logger.info(
+                "AFD: FFN rank %d accepted attention rank %d from %s", self.ctx.rank, rank, addr
+            )
         return True
 
     def _accept_device(self, rank: int, sock: socket.socket, addr: str) -> None:
@@ -1139,20 +1178,30 @@ class TCPFFNConnector(FFNConnector):
         return requests
 
     def peer_states(self) -> dict[str, bool]:
+        """This FFN rank's own attention ranks (guests are in guest_ranks())."""
         with self._lock:
             connected = set(self.peers)
         return {f"attention_rank_{r}": r in connected for r in sorted(self.expected)}
+
+    def guest_ranks(self) -> list[int]:
+        """The attention ranks of other replicas served here now (failover)."""
+        with self._lock:
+            return sorted(self.guests)
 
     def _drop(self, p: Peer) -> bool:
         """Forget this session of a rank and close it; True when it was current."""
         with self._lock:
             current = self.peers.get(p.rank) is p
+            guest = current and p.rank in self.guests
             if current:
                 del self.peers[p.rank]
+                self.guests.discard(p.rank)
         try:
             p.sock.close()
         except OSError:
             pass
+        if guest:
+            logger.info("AFD: FFN rank %d let guest attention rank %d go", self.ctx.rank, p.rank)
         return current
 
     def _lose(self, p: Peer, why: str) -> None:
@@ -1207,6 +1256,7 @@ class TCPFFNConnector(FFNConnector):
                 except OSError:
                     pass
             self.peers.clear()
+            self.guests.clear()
 
 
 register_connector("gloo", TCPAttentionConnector, TCPFFNConnector)
