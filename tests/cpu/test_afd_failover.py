@@ -1,0 +1,167 @@
+"""FFN replicas failover (issue 21): two FFN replicas (`vllm serve` on the CPU, one per FFN
+rank, each holding every expert) serve two attention servers (ranks 0 and 1, one each),
+all with ``connector_extra_config.ffn_failover``. While both ranks stream greedy requests,
+FFN rank 0 is SIGKILLed (its whole process group).
+
+Checked: attention rank 0 fails over to FFN rank 1 (which takes it as a guest) and every
+stream of both ranks completes with no client error and the greedy tokens of plain vLLM
+(``afd_proc.py plain``); FFN rank 0, started again on its ports, takes its rank back: rank
+0 moves home between steps (a goodbye to FFN rank 1, which lets the guest go), and its next
+requests are served by FFN rank 0 (its step counter grows), again with plain vLLM's tokens.
+The outage (loss to failover) and the times to the move home are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from harness import AfdProc, free_afd_port, wait_healthy
+
+import serve_util as su
+
+pytestmark = pytest.mark.cpu_e2e
+
+MODEL = "qwen3_moe"
+AFD_TIMEOUT_S = 60.0
+REJOIN_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 300.0
+PROMPTS = [f"Story number {i}: once upon a time" for i in range(4)]
+STREAM_TOKENS = 64
+PARAMS = {"temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True,
+          "logprobs": 1}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("afd_failover_logs")
+    print(f"server logs: {path}")
+    return path
+
+
+def plain_reference(model_dir: Path, log_dir: Path) -> AfdProc:
+    spec = {"prompts": PROMPTS, "max_tokens": [STREAM_TOKENS] * len(PROMPTS)}
+    (log_dir / "prompts.json").write_text(json.dumps(spec))
+    return AfdProc("plain", model_dir, log_dir / "plain.log",
+                   ["--prompts", str(log_dir / "prompts.json"),
+                    "--out", str(log_dir / "plain.json"), "--max-num-seqs", "8"])  # fmt: skip
+
+
+class Stream(threading.Thread):
+    """One greedy streaming completion; ``ids``: the token ids of its chunks, in order."""
+
+    def __init__(self, srv: su.Server, prompt: str):
+        super().__init__(daemon=True)
+        self.srv, self.prompt = srv, prompt
+        self.ids: list[int] = []
+        self.result: dict | None = None
+        self.start()
+
+    def run(self):
+        def on_chunk(chunk):
+            for choice in chunk.get("choices") or []:
+                self.ids += su.token_ids((choice.get("logprobs") or {}).get("tokens") or [])
+
+        self.result = su.stream_completion(self.srv.url, self.prompt, max_tokens=STREAM_TOKENS,
+                                           timeout=240, on_chunk=on_chunk, **PARAMS)  # fmt: skip
+
+
+def streams_on(servers: list[su.Server]) -> list[Stream]:
+    streams = [Stream(srv, p) for srv in servers for p in PROMPTS]
+    deadline = time.monotonic() + 120
+    while not all(s.ids for s in streams):
+        assert time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.05)
+    return streams
+
+
+def assert_complete(streams: list[Stream], want: list[list[int]]) -> None:
+    """No stream failed; each has plain vLLM's greedy tokens."""
+    for s in streams:
+        s.join(240)
+        assert not s.is_alive() and s.result is not None, (s.srv.name, s.prompt)
+        assert s.result["error"] is None and s.result["done"], (s.srv.name, s.result)
+        assert s.result["finish_reason"] == "length", (s.srv.name, s.result)
+        assert s.ids == want[PROMPTS.index(s.prompt)], f"{s.srv.name} {s.prompt!r}: tokens"
+
+
+def wait_log(srv: su.Server, text: str, timeout: float, count: int = 1) -> str:
+    """The ``count``-th log line of ``srv`` holding ``text`` (fails after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [ln for ln in srv.log_path.read_text(errors="replace").splitlines()
+                 if text in ln]  # fmt: skip
+        if len(lines) >= count:
+            return lines[count - 1]
+        srv.check_alive()
+        assert time.monotonic() < deadline, f"{srv.name}: no {text!r} in {timeout} s"
+        time.sleep(0.1)
+
+
+def steps_served(srv: su.Server) -> float:
+    status, text = su.http_get(f"{srv.url}/metrics", timeout=10)
+    assert status == 200, text[:300]
+    found = re.findall(r"^vllm:afd_ffn_steps_served_total\{[^}]*\} (\S+)$", text, re.M)
+    assert found, "no vllm:afd_ffn_steps_served_total on the FFN server"
+    return sum(float(v) for v in found)
+
+
+def test_ffn_replica_killed_ranks_fail_over_and_move_home(model_dir, log_dir):
+    reference = plain_reference(model_dir, log_dir)
+    api0, api1, api_f0, api_f1 = su.free_ports(4)
+    cfg = dict(port=free_afd_port(2), timeout_s=AFD_TIMEOUT_S, num_attention_ranks=2,
+               num_ffn_ranks=2, connector_extra_config={"ffn_failover": True})  # fmt: skip
+    servers: list[su.Server] = []
+
+    def start(role: str, rank: int, api: int, n: int = 1) -> su.Server:
+        extra = {"rejoin_timeout_s": REJOIN_TIMEOUT_S} if role == "attention" else {}
+        srv = su.Server.start(f"{role}{rank}", model_dir, api, log_dir / f"{role}{rank}_{n}.log",
+                              afd_config=su.afd_config(role, rank=rank, **cfg, **extra))  # fmt: skip
+        servers.append(srv)
+        return srv
+
+    try:
+        ffn0, ffn1 = start("ffn", 0, api_f0), start("ffn", 1, api_f1)
+        att0, att1 = start("attention", 0, api0), start("attention", 1, api1)
+        assert reference.wait(START_TIMEOUT_S) == 0, reference.tail()
+        want = [o["token_ids"] for o in json.loads((log_dir / "plain.json").read_text())["outputs"]]
+        print(f"2A2F healthy: {wait_healthy([ffn0, ffn1, att0, att1], START_TIMEOUT_S)}")
+
+        # Both ranks stream; FFN rank 0 dies: rank 0 fails over to FFN rank 1.
+        streams = streams_on([att0, att1])
+        t_kill = time.monotonic()
+        ffn0.kill()
+        line = wait_log(att0, "rejoined FFN rank 1", REJOIN_TIMEOUT_S)
+        outage = float(re.search(r"after ([0-9.]+) s without it", line).group(1))
+        wait_log(ffn1, "took attention rank 0 from", 5)
+        assert_complete(streams, want)
+        print(f"FFN rank 0 SIGKILLed: attention rank 0 failed over to FFN rank 1 after "
+              f"{outage:.2f} s; {len(streams)}/{len(streams)} streams completed with plain "
+              "vLLM's tokens")  # fmt: skip
+        assert "lost AFD" not in att1.log_path.read_text(errors="replace")  # rank 1 untouched
+
+        # FFN rank 0 comes back: rank 0 moves home, FFN rank 0 serves it again.
+        t_start = time.monotonic()
+        ffn0 = start("ffn", 0, api_f0, n=2)
+        wait_log(att0, "moved back from FFN rank 1", START_TIMEOUT_S)
+        t_home = time.monotonic() - t_start
+        wait_log(ffn1, "let guest attention rank 0 go", 10)
+        wait_healthy([ffn0], START_TIMEOUT_S)
+        before = steps_served(ffn0)
+        streams = streams_on([att0, att1])
+        assert_complete(streams, want)
+        assert steps_served(ffn0) > before, "rank 0's steps not served by FFN rank 0"
+        print(
+            f"FFN rank 0 restarted: rank 0 moved home {t_home:.1f} s after the start "
+            f"({time.monotonic() - t_kill:.1f} s after the kill); served there again"
+        )
+        assert all(s.alive() for s in (ffn0, ffn1, att0, att1))
+    finally:
+        su.stop_servers(servers)
+        reference.stop()
+        left = {s.name: su.group_members(s.pgid) for s in servers}
+        assert not any(left.values()), f"processes left after stop: {left}"
