@@ -37,13 +37,14 @@ def _free_port() -> int:
     return su.free_port()
 
 
-def _ctx(role: str, port: int, rank: int = 0, m: int = 1):
+def _ctx(role: str, port: int, rank: int = 0, m: int = 1, **keys):
     from vllm.afd.protocol import FINGERPRINT_KEYS, PROTOCOL_VERSION
     from vllm.config.afd import AFDConfig
     from vllm.distributed.afd.base import ConnectorContext
 
     cfg = AFDConfig.from_dict({"role": role, "connector": "cuda_ipc", "port": port,
-                               "timeout_s": TIMEOUT_S, "num_attention_ranks": m})  # fmt: skip
+                               "timeout_s": TIMEOUT_S, "num_attention_ranks": m,
+                               **keys})  # fmt: skip
     fp = {k: "x" for k in FINGERPRINT_KEYS}
     fp.update(protocol=PROTOCOL_VERSION, hidden_size=HIDDEN, dtype="bfloat16",
               ffn_layers=list(range(LAYERS)), connector="cuda_ipc",
@@ -53,7 +54,7 @@ def _ctx(role: str, port: int, rank: int = 0, m: int = 1):
     return ConnectorContext(cfg, rank, fp, MAX_TOKENS, torch.device("cuda"))
 
 
-def _ffn_main(port: int, stall_after: int, ready, m: int = 1) -> None:
+def _ffn_main(port: int, stall_after: int, ready, m: int = 1, die_after: int = 1 << 30) -> None:
     from vllm.distributed.afd.base import create_ffn_connector
 
     torch.cuda.set_device(0)
@@ -77,6 +78,9 @@ def _ffn_main(port: int, stall_after: int, ready, m: int = 1) -> None:
             for layer in range(LAYERS):
                 for p, x in zip(peers, xs):
                     conn.recv(p, x)
+                    if served >= die_after and layer == 1:
+                        torch.cuda.synchronize()
+                        os._exit(1)  # gone in the middle of the step, as under SIGKILL
                     conn.send(p, x * 2 + layer)
             served += 1
 
@@ -375,3 +379,156 @@ def test_a_rank_lost_abruptly_ends_only_its_session_and_rejoins(pair):
             assert torch.equal(p.step(y, rank), _reference(y)), rank
     torch.cuda.synchronize()
     assert p.failed[1] == [] and p.ffn.is_alive()
+
+
+# --------------------------------------------- rejoin (connector_extra_config.ipc_rejoin)
+REJOIN_WINDOW_S = 120.0  # room for a new FFN process to start (spawn, CUDA, triton)
+
+
+class _RejoinPair(_Pair):
+    """One attention rank with ipc_rejoin on, and an FFN process that dies in the
+    middle of step ``die_after`` (counted from 0, at its second layer) and can be
+    replaced by a new one on the same port."""
+
+    def __init__(self, die_after: int):
+        torch.zeros(1, device="cuda")
+        self.port = _free_port()
+        self.m = 1
+        self.failed = {0: []}
+        self.failures = self.failed[0]
+        self.conns = [self.attention(0)]
+        self.conn = self.conns[0]
+        self.ffn, ready = self.start_ffn(die_after)
+        assert ready.wait(120), "FFN process did not start"
+        self.conn.connect()
+
+    def attention(self, rank: int):
+        from vllm.distributed.afd.base import create_attention_connector
+
+        ctx = _ctx("attention", self.port, rank, self.m, rejoin_timeout_s=REJOIN_WINDOW_S,
+                   connector_extra_config={"ipc_rejoin": True})  # fmt: skip
+        conn = create_attention_connector(ctx)
+        conn.on_failure = lambda msg: self.failed[rank].append((time.monotonic(), msg))
+        return conn
+
+    def start_ffn(self, die_after: int = 1 << 30):
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        proc = ctx.Process(target=_ffn_main, args=(self.port, 1 << 30, ready, 1, die_after),
+                           daemon=True)  # fmt: skip
+        proc.start()
+        return proc, ready
+
+    def restart_when_gone(self, delay: float):
+        """In a thread: once the FFN process has ended, wait ``delay`` s and start
+        a new one on the same port (the attention rank meanwhile holds its step)."""
+        import threading
+
+        started: dict = {}
+
+        def run():
+            self.ffn.join(60)
+            started["gone"] = time.monotonic()
+            time.sleep(delay)
+            self.ffn, ready = self.start_ffn()
+            started["ready"] = ready.wait(120)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t, started
+
+
+@pytest.fixture
+def rejoin_pair():
+    made: list[_RejoinPair] = []
+
+    def make(die_after: int) -> _RejoinPair:
+        made.append(_RejoinPair(die_after))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def test_ipc_rejoin_graph_replay_reruns_whole_across_an_ffn_restart(rejoin_pair):
+    """Issue 21 on cuda_ipc (opt-in ipc_rejoin): a full CUDA graph of the step (as
+    FULL_DECODE_ONLY captures the decode forward) is replayed under
+    vllm.afd.rejoin.run_forward. The FFN process dies in the middle of a replay
+    (after the second layer's data arrived) and a new one starts on the same port
+    2 s later: the attention rank neither ends nor waits out timeout_s on the dead
+    process's flags, it rejoins, and the same graph - reaching the new process's
+    buffers through the pointer table - re-runs the whole step with the exact
+    output; later replays and eager steps are exact too. Then the new FFN process
+    is SIGKILLed between steps and replaced again: the next replay is re-run the
+    same way."""
+    from vllm.afd import rejoin
+
+    served_before_death = 3  # eager, warm-up, capture do not count: replays 0 and 1 do
+    p = rejoin_pair(die_after=served_before_death + 2)
+    conn = p.conn
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn((8, HIDDEN), dtype=torch.bfloat16, device="cuda", generator=gen)
+    assert torch.equal(rejoin.run_forward(conn, lambda: p.step(x)), _reference(x))  # served 0
+    static = torch.randn((8, HIDDEN), dtype=torch.bfloat16, device="cuda", generator=gen)
+    p.step(static)  # warm-up (served 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # captured: the FFN rank sees no step
+        out = p.step(static)
+    table = conn.table.data_ptr()
+    passes: list[float] = []
+
+    def replay():
+        passes.append(time.monotonic())
+        graph.replay()
+        return out
+
+    def replay_exact(tag: str) -> None:
+        x = torch.randn(static.shape, dtype=torch.bfloat16, device="cuda", generator=gen)
+        static.copy_(x)
+        got = rejoin.run_forward(conn, replay)
+        assert torch.equal(got, _reference(x)), tag
+
+    for i in range(3):  # served 2, 3, 4
+        replay_exact(f"replay {i}")
+    assert len(passes) == 3
+    # The next replay (served 5) loses the FFN process at its second layer.
+    restarter, started = p.restart_when_gone(delay=2.0)
+    t0 = time.monotonic()
+    replay_exact("the replay that lost its FFN rank, re-run")
+    resumed = time.monotonic() - t0
+    restarter.join(5)
+    assert started.get("ready"), "the new FFN process did not start"
+    assert len(passes) == 5, "the interrupted replay was not re-run exactly once"
+    assert p.failures == [], p.failures  # held, not ended
+    assert conn.table.data_ptr() == table and conn.is_up()
+    for i in range(3):
+        replay_exact(f"replay {i} after the rejoin")
+        x = torch.randn((5, HIDDEN), dtype=torch.bfloat16, device="cuda", generator=gen)
+        assert torch.equal(rejoin.run_forward(conn, lambda x=x: p.step(x)), _reference(x))
+    print(f"cuda_ipc rejoin: the interrupted replay re-ran clean {resumed:.2f} s after it "
+          f"started (new FFN process 2 s after the loss)")  # fmt: skip
+    # Killed between steps: the watchdog holds the loss; the next replay runs on the
+    # released flags, is found lost, and re-runs once the next process is up.
+    restarter, started = p.restart_when_gone(delay=1.0)
+    os.kill(p.ffn.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while conn.is_up() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not conn.is_up(), "the loss was not noticed between steps"
+    n = len(passes)
+    replay_exact("the first replay after a loss between steps")
+    restarter.join(5)
+    assert len(passes) == n + 2 and p.failures == []
+    torch.cuda.synchronize()
+
+
+def test_ipc_rejoin_off_by_default_still_ends_the_rank(pair):
+    """Without ipc_rejoin nothing changed: the graphs write the FFN rank's mapped
+    buffers directly (no pointer table) and a killed FFN process ends the rank."""
+    p = pair()
+    assert p.conn.rejoin is False and p.conn.table is None
+    x = torch.ones((8, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(p.step(x), _reference(x))
+    os.kill(p.ffn.pid, signal.SIGKILL)
+    assert "lost AFD peer" in p.wait_failure(5)

@@ -18,20 +18,25 @@ gives. Requests in flight continue; new ones queue in the engine meanwhile.
 Bounded: the FFN rank has ``rejoin_timeout_s`` (default ``timeout_s``) from the
 loss to come back; after that the step fails with the loss's error, as without
 rejoin. A micro-batched (DBO) step, a connector without ``can_rejoin``
-(``cuda_ipc``, ``nccl``) and ``rejoin_timeout_s`` 0 keep the fail-fast path.
+(``nccl``; ``cuda_ipc`` by default) and ``rejoin_timeout_s`` 0 keep the
+fail-fast path. On ``cuda_ipc`` with ``connector_extra_config.ipc_rejoin``
+(opt-in, not proven on a GPU yet) the whole forward re-runs: ``run_forward``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
+from vllm.afd import failure
 from vllm.afd.protocol import AFDHandshakeError, AFDPeerError
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+T = TypeVar("T")
 
 
 def possible(conn, ubatched: bool) -> bool:
@@ -101,3 +106,53 @@ def rerun_step(
     if router_logits is not None:
         conn.send(router_logits.to(torch.float32).contiguous())
     return conn.recv(torch.empty_like(x))
+
+
+# ------------------------------------------------- cuda_ipc: re-run the forward
+def run_forward(conn, forward: Callable[[], T]) -> T:
+    """The model forward ``forward()`` (an eager pass or a CUDA-graph replay) of
+    an attention rank on cuda_ipc with ``connector_extra_config.ipc_rejoin``: a
+    graph cannot re-run half a step, so a step during which the FFN rank was lost
+    runs again whole once the rank is back (its KV writes are the same again).
+    After each pass the device work is waited for and the connector says whether
+    the FFN rank was lost during it (``step_lost``: the watchdog's EOF, a wait's
+    error word); the output of such a pass is dropped, so sampling only ever sees
+    a clean pass. Bounded by ``rejoin_timeout_s`` from the first loss; then
+    AFDPeerError as without rejoin. Any other connector: ``forward()``."""
+    if conn is None or not getattr(conn, "rejoin", False):
+        return forward()
+    conn.forwards_guarded = True
+    if not conn.holds_losses():
+        return forward()
+    window = conn.ctx.config.rejoin_window_s
+    first: str | None = None
+    deadline = 0.0
+    while True:
+        try:
+            out = forward()
+            lost = conn.step_lost()
+        except AFDPeerError as e:  # eager: begin_step of a lost connection
+            lost = str(e)
+        if lost is None:
+            if first is not None:
+                logger.info("AFD: the interrupted forward re-ran clean %.2f s after the "
+                            "loss", time.monotonic() - (deadline - window))  # fmt: skip
+            return out
+        if first is None:
+            first = lost
+            deadline = (conn.lost_at() or time.monotonic()) + window
+            logger.warning("AFD: %s; holding the step and rejoining (rejoin_timeout_s=%g)",
+                           lost, window)  # fmt: skip
+        elif time.monotonic() >= deadline:
+            _give_up(conn, f"{first}; lost again while re-running the step, and "
+                     f"rejoin_timeout_s={window:g} has passed ({lost})")  # fmt: skip
+        try:
+            conn.reconnect(deadline)
+        except AFDPeerError as e:
+            _give_up(conn, f"{first}; it did not come back within rejoin_timeout_s="
+                     f"{window:g} ({e})", e)  # fmt: skip
+
+
+def _give_up(conn, msg: str, cause: Exception | None = None) -> None:
+    failure.record("attention", conn.ctx.rank, msg)
+    raise AFDPeerError(msg) from cause

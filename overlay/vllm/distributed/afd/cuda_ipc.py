@@ -45,6 +45,15 @@ and ends the process (its GPU stream may be stuck behind a wait, and the
 step's output must not reach a client). The TCP socket keeps carrying
 heartbeats, goodbye and profiler requests.
 
+Rejoin (opt-in, ``connector_extra_config.ipc_rejoin``, not proven on a GPU
+yet; docs/connectors.md): the attention side's graphs then reach the FFN rank's
+buffers only through a small device-side pointer table of the attention side's
+(``ipc_kernels.*_via``), which a re-handshake with a restarted FFN rank
+rewrites; everything else they touch is the attention side's own and never
+moves. A loss is held instead of ending the process (own waits released), and
+``vllm.afd.rejoin.run_forward`` re-runs the whole forward after the rejoin.
+Without the key (the default) nothing of this runs.
+
 Both processes must see the GPU of the other (one host; on several GPUs give
 both the same devices in ``CUDA_VISIBLE_DEVICES``, in an order that makes
 each process's device 0 its own GPU).
@@ -102,6 +111,18 @@ FLAGS_BYTES = ROW * 8
 SLOTS = IPC_MAX_UBATCHES
 assert C_DATA + SLOTS <= C_UB1_TOKENS and SLOTS == 2
 POISON = 1 << 62
+
+
+def ipc_rejoin(config) -> bool:
+    """``connector_extra_config.ipc_rejoin`` (default False): the attention role
+    rejoins a restarted FFN rank on cuda_ipc (docs/connectors.md; not proven on a
+    GPU yet)."""
+    value = config.connector_extra_config.get("ipc_rejoin", False)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"AFD: connector_extra_config.ipc_rejoin must be true or false; got {value!r}"
+        )
+    return value
 
 
 def _align(n: int) -> int:
@@ -341,9 +362,9 @@ def recv_message(
 class IPCAttentionConnector(TCPAttentionConnector):
     graph_capable = True
     dbo_capable = True
-    # A new FFN rank maps new buffers at new addresses that this rank's captured
-    # graphs do not know: a lost FFN rank ends the engine (docs/connectors.md).
-    can_rejoin = False
+    # By default a new FFN rank maps new buffers at new addresses that this rank's
+    # captured graphs do not know: a lost FFN rank ends the engine
+    # (docs/connectors.md); with ipc_rejoin see the can_rejoin property.
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
@@ -355,6 +376,14 @@ class IPCAttentionConnector(TCPAttentionConnector):
         self.peer_gpu: str | None = None  # the FFN rank's GPU UUID (its reply)
         self._send_off = [0] * SLOTS
         self._watch: threading.Thread | None = None
+        # Rejoin (connector_extra_config.ipc_rejoin): the graphs reach the FFN
+        # rank's buffers through self.table only; a loss is held (not fatal) once
+        # the model forward runs under vllm.afd.rejoin.run_forward.
+        self.rejoin = ipc_rejoin(ctx.config)
+        self.forwards_guarded = False
+        self._held = False  # a loss held for run_forward (set by _hold)
+        self.table: torch.Tensor | None = None
+        self._mine: dict | None = None
 
     def connect(self) -> None:
         super().connect()
@@ -373,20 +402,48 @@ class IPCAttentionConnector(TCPAttentionConnector):
         dev = self.ctx.device
         if dev.type != "cuda":
             raise RuntimeError("AFD cuda_ipc connector needs a CUDA device")
+        self._make_own(dev)
+        torch.cuda.synchronize(dev)  # zeroed before the FFN rank can write them
+        self._map_peer(self.sock, time.monotonic() + self.timeout)
+        self._host_err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._side = torch.cuda.Stream(device=dev)
+        # DBO: one stream per micro-batch for its exchange (see the module docstring).
+        self._ub_streams = [torch.cuda.Stream(device=dev) for _ in range(SLOTS)]
+        if self.rejoin:
+            # The FFN rank's addresses, read by the graphs' kernels (ipc_kernels.*_via).
+            self.table = torch.zeros(ROW, dtype=torch.int64, device=dev)
+            self._point_table()
+        kernels.require()
+        logger.info(
+            "AFD: cuda_ipc device channel to %s mapped (inbox %d bytes, %d micro-batch slots)",
+            self.peer,
+            self.inbox.numel(),
+            SLOTS,
+        )
+
+    def _make_own(self, dev: torch.device) -> None:
+        """This rank's own buffers and their descriptions (``self._mine``)."""
         self.slot_bytes = message_bytes(self.ctx)
-        inbox_bytes = SLOTS * self.slot_bytes
         # Exported to the FFN rank, which writes them: the data flags of the
         # micro-batch slots and the outbox (each alone in its segment).
         flags = exported_zeros(FLAGS_BYTES, dev)
-        self.outbox = exported_zeros(inbox_bytes, dev)
+        self.outbox = exported_zeros(SLOTS * self.slot_bytes, dev)
         # This rank's own: row 0 [0] the error word; row 1 the control counter;
         # rows 2 + 2s, 3 + 2s: counters of data sent / received in slot s.
         self.state = torch.zeros((2 + 2 * SLOTS, ROW), dtype=torch.int64, device=dev)
-        torch.cuda.synchronize(dev)  # zeroed before the FFN rank can write them
-        mine = _flat({"flags": export_buffer(flags), "outbox": export_buffer(self.outbox),
-                      "gpu_uuid": gpu_uuid(dev)})  # fmt: skip
-        deadline = time.monotonic() + self.timeout
-        remote = _exchange_desc(self.sock, mine, deadline, self.peer, self.timeout)
+        self._mine = _flat({"flags": export_buffer(flags), "outbox": export_buffer(self.outbox),
+                            "gpu_uuid": gpu_uuid(dev)})  # fmt: skip
+        self.flags = flags.view(torch.int64)
+        self.recv_flags = [self.flags[s:] for s in range(SLOTS)]
+        self.err = self.state[0]
+        self.ctr_ctrl = self.state[1]
+        self.ctr_sent = [self.state[2 + 2 * s] for s in range(SLOTS)]
+        self.ctr_recv = [self.state[3 + 2 * s] for s in range(SLOTS)]
+
+    def _map_peer(self, sock, deadline: float) -> None:
+        """Send this rank's buffer descriptions (``self._mine``), map the FFN
+        rank's control buffer and inbox from its answer."""
+        remote = _exchange_desc(sock, self._mine, deadline, self.peer, self.timeout)
         if remote.get("status") != "ok":
             raise AFDPeerError(
                 f"AFD {self.peer} could not map this rank's buffers: "
@@ -395,28 +452,95 @@ class IPCAttentionConnector(TCPAttentionConnector):
         # This rank's own control buffer on the FFN rank (no other rank's).
         ctrl = import_buffer(_sub(remote, "ctrl"), CTRL_BYTES, "control buffer")
         ctrl = ctrl.view(torch.int64).view(CTRL_ROWS, ROW)
-        self.inbox = import_buffer(_sub(remote, "inbox"), inbox_bytes, "inbox")
+        self.inbox = import_buffer(_sub(remote, "inbox"), SLOTS * self.slot_bytes, "inbox")
         self.peer_gpu = remote.get("gpu_uuid")
         self.ctrl = ctrl
         self.ctrl_row = ctrl[0]
         self.data_flags = [ctrl[0, C_DATA + s :] for s in range(SLOTS)]
-        self.flags = flags.view(torch.int64)
-        self.recv_flags = [self.flags[s:] for s in range(SLOTS)]
-        self.err = self.state[0]
-        self.ctr_ctrl = self.state[1]
-        self.ctr_sent = [self.state[2 + 2 * s] for s in range(SLOTS)]
-        self.ctr_recv = [self.state[3 + 2 * s] for s in range(SLOTS)]
-        self._host_err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        self._side = torch.cuda.Stream(device=dev)
-        # DBO: one stream per micro-batch for its exchange (see the module docstring).
-        self._ub_streams = [torch.cuda.Stream(device=dev) for _ in range(SLOTS)]
-        kernels.require()
-        logger.info(
-            "AFD: cuda_ipc device channel to %s mapped (inbox %d bytes, %d micro-batch slots)",
-            self.peer,
-            self.inbox.numel(),
-            SLOTS,
-        )
+
+    # -- rejoin (connector_extra_config.ipc_rejoin) ---------------------------
+    def _point_table(self) -> None:
+        """Write the mapped FFN buffers' addresses into the pointer table (its
+        address, the one the graphs hold, stays)."""
+        entries = torch.zeros(ROW, dtype=torch.int64)
+        entries[kernels.TABLE_CTRL] = self.ctrl.data_ptr()
+        entries[kernels.TABLE_INBOX] = self.inbox.data_ptr()
+        self.table.copy_(entries)
+
+    def _handshake(self, sock, deadline: float, rejoining: bool = False) -> None:
+        super()._handshake(sock, deadline, rejoining)
+        if rejoining and self.rejoin:
+            self._remap(sock, deadline)
+
+    def _remap(self, sock, deadline: float) -> None:
+        """A re-handshake with a restarted FFN rank (on the thread that runs the
+        forwards, the device idle): this rank's own buffers start clean (counters,
+        error word, the data flags its loss poisoned) and are described again as
+        they are - they do not move -, the new FFN rank's buffers are mapped and
+        the pointer table points at them."""
+        dev = self.ctx.device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # the held step's work and the poison are done
+        self.state.zero_()
+        self.flags.zero_()
+        self._send_off = [0] * SLOTS
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # clean before the FFN rank can write them
+        self._map_peer(sock, deadline)
+        self._point_table()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        logger.info("AFD: cuda_ipc device channel to %s mapped again (pointer table "
+                    "updated)", self.peer)  # fmt: skip
+
+    def reconnect(self, deadline: float) -> None:
+        """tcp's rejoin, whose re-handshake maps the new FFN rank (``_remap``);
+        the watchdog watches again once the connection is up."""
+        super().reconnect(deadline)
+        self._held = False
+
+    def _rejoin_in_background(self) -> None:
+        """With ipc_rejoin, only the forward's thread rejoins (the table may change
+        only while no graph runs): vllm.afd.rejoin.run_forward."""
+        if not self.rejoin:
+            super()._rejoin_in_background()
+
+    @property
+    def can_rejoin(self) -> bool:
+        """The layer-level rejoin of vllm.afd.rejoin (an eager step whose
+        begin_step found the connection lost) only where losses are held."""
+        return self.holds_losses()
+
+    def holds_losses(self) -> bool:
+        """A loss is held for a rejoin (not fatal): ipc_rejoin is on, the window is
+        not 0, and the forwards run under run_forward (which checks each one
+        before its output is used)."""
+        return self.rejoin and self.forwards_guarded and self.ctx.config.rejoin_window_s > 0
+
+    def _hold(self, msg: str) -> None:
+        """The FFN rank is lost: note it (the forward's check sees it) and release
+        this rank's own device waits (its flags), so that a replay in flight ends
+        now instead of after timeout_s; its output is discarded."""
+        self._note_lost(msg)
+        self._held = True
+        if self.ctx.device.type != "cuda":
+            self.flags[:SLOTS].fill_(POISON)
+            return
+        with torch.cuda.stream(self._side):
+            self.flags[:SLOTS].fill_(POISON)
+
+    def step_lost(self) -> str | None:
+        """After a forward (its device work waited for): why the FFN rank was lost
+        during it, None when the pass was clean."""
+        dev = self.ctx.device
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        if self._dead is None:
+            seq = self._read_error_word()
+            if seq:
+                self._hold(f"AFD peer {self.peer} did not answer within the timeout "
+                           f"(timeout_s={self.timeout:g}, layer message {seq})")  # fmt: skip
+        return self._dead
 
     # -- per step (device work on the current stream) ---------------------
     def begin_step(
@@ -432,7 +556,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         self._check()
         if ubatch is None:
             self._send_off[0] = 0
-            kernels.control(self.ctr_ctrl, self.ctrl_row, num_tokens, 0)
+            self._control(num_tokens, 0, 0)
             return
         index, count = ubatch
         if count > SLOTS:
@@ -448,15 +572,25 @@ class IPCAttentionConnector(TCPAttentionConnector):
                 f"micro-batch token counts {ubatch_tokens} (expected {count}, the first "
                 f"{num_tokens})"
             )
-        kernels.control(self.ctr_ctrl, self.ctrl_row, num_tokens, ubatch_flags(0, count),
-                 int(ubatch_tokens[1]))  # fmt: skip
+        self._control(num_tokens, ubatch_flags(0, count), int(ubatch_tokens[1]))
+
+    def _control(self, num_tokens: int, flags: int, ub1_tokens: int) -> None:
+        if self.rejoin:
+            kernels.control_via(self.ctr_ctrl, self.table, num_tokens, flags, ub1_tokens)
+        else:
+            kernels.control(self.ctr_ctrl, self.ctrl_row, num_tokens, flags, ub1_tokens)
 
     def send(self, x: torch.Tensor) -> None:
         s, stream = self._slot_stream()
         with torch.cuda.stream(stream):
             dst = _view(self.inbox, self._send_off[s], x, s, self.slot_bytes)
+            if self.rejoin:
+                offset = s * self.slot_bytes + self._send_off[s]
+                kernels.copy_via(x.contiguous(), self.table, offset)
+                kernels.signal_via(self.ctr_sent[s], self.table, C_DATA + s)
+            else:
+                send_message(x, dst, self.ctr_sent[s], self.data_flags[s])
             self._send_off[s] += _align(dst.numel() * dst.element_size())
-            send_message(x, dst, self.ctr_sent[s], self.data_flags[s])
 
     def recv(self, out: torch.Tensor) -> torch.Tensor:
         recv_message(_view(self.outbox, 0, out, 0, self.slot_bytes), out, self.ctr_recv[0],
@@ -513,6 +647,8 @@ class IPCAttentionConnector(TCPAttentionConnector):
         if self.ctx.device.type == "cuda":
             torch.accelerator.set_device_index(self.ctx.device.index or 0)
         while not self._closed.wait(0.1):
+            if self._held:
+                continue  # held: run_forward rejoins (see _hold)
             msg = self._dead
             if msg is None:
                 try:
@@ -523,6 +659,9 @@ class IPCAttentionConnector(TCPAttentionConnector):
                         f"({type(e).__name__}: {e}); this rank could no longer notice a "
                         "lost or silent FFN rank"
                     )
+            if msg is not None and self.rejoin and self.holds_losses():
+                self._hold(msg)
+                continue
             if msg is not None:
                 self._dead = msg
                 logger.error("AFD: %s", msg)

@@ -11,6 +11,13 @@ message number it gave up on into an error word that the hosts watch.
 One hand-over costs about 5 us on an H200 with both processes on it under MPS
 (benchmarks/handover.py, which also measures a fused one-kernel-per-side variant:
 slower, 5.3-6.7 us).
+
+The ``*_via`` variants (cuda_ipc rejoin, ``connector_extra_config.ipc_rejoin``)
+take the peer's addresses from a device-side pointer table of this side's
+instead of from their arguments: a captured graph then holds only the table's
+address, and a re-handshake with a restarted peer rewrites the table (not the
+graph). Entry ``TABLE_CTRL`` is the peer's control buffer (its control row,
+then its data flags), entry ``TABLE_INBOX`` the peer's inbox.
 """
 
 from __future__ import annotations
@@ -56,6 +63,43 @@ if triton is not None:
         tl.store(ctr_ptr, c)
 
 
+TABLE_CTRL, TABLE_INBOX = 0, 1
+COPY_BLOCK = 1024
+
+if triton is not None:
+
+    @triton.jit
+    def _peer_ptr(table_ptr, entry, like_ptr):
+        """Entry ``entry`` of the pointer table as a pointer of ``like_ptr``'s type."""
+        return tl.load(table_ptr + entry).to(like_ptr.dtype, bitcast=True)
+
+    @triton.jit
+    def _signal_via_kernel(ctr_ptr, table_ptr, word):
+        c = tl.load(ctr_ptr) + 1
+        tl.store(ctr_ptr, c)
+        flag_ptr = _peer_ptr(table_ptr, 0, ctr_ptr) + word
+        tl.atomic_xchg(flag_ptr, c, sem="release", scope="sys")
+
+    @triton.jit(do_not_specialize=["num_tokens", "flags", "ub1_tokens"])
+    def _control_via_kernel(ctr_ptr, table_ptr, num_tokens, flags, ub1_tokens):
+        row_ptr = _peer_ptr(table_ptr, 0, ctr_ptr)
+        c = tl.load(ctr_ptr) + 1
+        tl.store(ctr_ptr, c)
+        tl.store(row_ptr + 1, c)
+        tl.store(row_ptr + 2, num_tokens.to(tl.int64))
+        tl.store(row_ptr + 3, flags.to(tl.int64))
+        tl.store(row_ptr + 6, ub1_tokens.to(tl.int64))
+        tl.atomic_xchg(row_ptr, c, sem="release", scope="sys")
+
+    @triton.jit
+    def _copy_via_kernel(src_ptr, table_ptr, offset, n, BLOCK: tl.constexpr):
+        """``n`` elements of ``src`` to the peer's inbox at element ``offset``."""
+        dst_ptr = _peer_ptr(table_ptr, 1, src_ptr) + offset
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=mask), mask=mask)
+
+
 def require() -> None:
     if triton is None:
         raise RuntimeError("AFD cuda_ipc connector needs triton")
@@ -79,3 +123,34 @@ def wait(ctr: torch.Tensor, flag: torch.Tensor, err: torch.Tensor, timeout_ns: i
     """Spin until ``flag`` reaches ``ctr`` + 1 (or ``timeout_ns``: then ``err``), advance ``ctr``."""
     require()
     _wait_kernel[(1,)](ctr, flag, err, timeout_ns, num_warps=1)
+
+
+def signal_via(ctr: torch.Tensor, table: torch.Tensor, word: int) -> None:
+    """``signal`` into word ``word`` of the peer's control buffer (pointer table entry
+    ``TABLE_CTRL``)."""
+    require()
+    _signal_via_kernel[(1,)](ctr, table, word, num_warps=1)
+
+
+def control_via(
+    ctr: torch.Tensor, table: torch.Tensor, num_tokens: int, flags: int, ub1_tokens: int = 0
+) -> None:
+    """``control`` into the peer's control row (pointer table entry ``TABLE_CTRL``)."""
+    require()
+    _control_via_kernel[(1,)](ctr, table, num_tokens, flags, ub1_tokens, num_warps=1)
+
+
+def copy_via(src: torch.Tensor, table: torch.Tensor, offset_bytes: int) -> None:
+    """Copy the contiguous ``src`` to byte ``offset_bytes`` of the peer's inbox
+    (pointer table entry ``TABLE_INBOX``); the offset is a multiple of the
+    element size (the connector aligns messages to 256 bytes)."""
+    require()
+    size = src.element_size()
+    if not src.is_contiguous() or offset_bytes % size:
+        raise ValueError(
+            f"AFD cuda_ipc: copy_via needs a contiguous source at an offset that is a "
+            f"multiple of its element size ({size}); got offset {offset_bytes}"
+        )
+    n = src.numel()
+    grid = (max(1, triton.cdiv(n, COPY_BLOCK)),)
+    _copy_via_kernel[grid](src, table, offset_bytes // size, n, BLOCK=COPY_BLOCK)
