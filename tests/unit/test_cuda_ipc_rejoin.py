@@ -403,3 +403,14 @@ def test_an_ffn_rank_that_does_not_come_back_fails_the_step_naming_the_loss(monk
 def test_without_the_opt_in_or_a_window_the_forward_runs_once_unchecked(conn):
     forward, calls = _forward(["out"])
     assert rejoin.run_forward(conn, forward) == "out" and calls == [0]
+
+
+def test_a_graph_capture_runs_the_forward_once_unchecked(monkeypatch):
+    """The hook will also see the model runner's captures: no synchronisation
+    there (it would break the capture), and a capture guards nothing yet."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    conn = FakeConn([])  # step_lost would fail: no pass result to give
+    forward, calls = _forward(["captured"])
+    assert rejoin.run_forward(conn, forward) == "captured" and calls == [0]
+    assert not conn.forwards_guarded

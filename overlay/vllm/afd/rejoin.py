@@ -121,6 +121,8 @@ def run_forward(conn, forward: Callable[[], T]) -> T:
     AFDPeerError as without rejoin. Any other connector: ``forward()``."""
     if conn is None or not getattr(conn, "rejoin", False):
         return forward()
+    if _capturing():  # a capture runs nothing; a synchronisation would break it
+        return forward()
     conn.forwards_guarded = True
     if not conn.holds_losses():
         return forward()
@@ -151,6 +153,10 @@ def run_forward(conn, forward: Callable[[], T]) -> T:
         except AFDPeerError as e:
             _give_up(conn, f"{first}; it did not come back within rejoin_timeout_s="
                      f"{window:g} ({e})", e)  # fmt: skip
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _give_up(conn, msg: str, cause: Exception | None = None) -> None:
