@@ -388,6 +388,30 @@ def test_failover_to_another_ffn_replica_and_back(ffns, attention):
     assert other.conn.guest_ranks() == []
 
 
+def test_a_failed_over_rank_names_its_replica_while_it_tries_home(ffns, attention):
+    """Served by FFN rank 1 (failover) while its home stays down, the rank tries home every
+    second (0.5 s each): meanwhile it names FFN rank 1 throughout (vllm:afd_peer_up's
+    label, ffn_rank), and every step goes to FFN rank 1."""
+    port = su.free_ports(2, consecutive=True)[0]
+    topo = dict(m=2, n=2, timeout=30.0, extra={"ffn_failover": True})
+    first = ffns(port, layers=1, rank=0, **topo)
+    other = ffns(port, layers=1, rank=1, **topo)
+    att = attention(port, rejoin_timeout_s=20, **topo)
+    Bg(att.connect).get()
+    client = client_for(att, 1)
+    x = torch.randn(2, HIDDEN)
+    first.close()
+    assert torch.equal(client.exchange(x, 0), 2 * x)  # failed over
+    seen = set()
+    deadline = time.monotonic() + 2.5  # two or three tries of the home rank
+    while time.monotonic() < deadline:
+        seen.add((att.ffn_rank, tuple(client.peers())))
+        time.sleep(0.01)
+    assert seen == {(1, ("ffn_rank_1",))}
+    assert torch.equal(client.exchange(x, 0), 2 * x)
+    wait_until(lambda: len(other.steps) == 2, 5.0, "both steps served by FFN rank 1")
+
+
 def test_without_failover_a_rank_waits_for_its_own_ffn_rank(attention):
     att = attention(free_port(), rejoin_timeout_s=5, m=2, n=2)
     assert att._replicas() == [0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import os
 import socket
 import threading
@@ -275,6 +276,14 @@ class TCPAttentionConnector(AttentionConnector):
         self.addr = (cfg.host, cfg.ffn_port(ffn_rank))
         self.peer = f"FFN rank {ffn_rank} at {cfg.host}:{self.addr[1]}"
 
+    def _dialer(self, ffn_rank: int) -> TCPAttentionConnector:
+        """A shallow copy of this connector aimed at FFN rank ``ffn_rank``: it dials and
+        handshakes there while this one keeps naming (and serving through) the FFN rank
+        of its live connection (vllm:afd_peer_up's label, error messages)."""
+        other = copy.copy(self)
+        other._aim(ffn_rank)
+        return other
+
     def _replicas(self) -> list[int]:
         """The FFN ranks a rejoin tries, in order: the home rank, then (with
         ffn_failover, num_ffn_ranks > 1: every FFN rank holds all the experts)
@@ -320,25 +329,24 @@ class TCPAttentionConnector(AttentionConnector):
             return
         self._next_home_try = now + REBALANCE_S
         with self._rejoin_lock:
-            guest, guest_peer = self.ffn_rank, self.peer
-            self._aim(self.home)
+            guest_peer = self.peer
+            home = self._dialer(self.home)
             try:
-                sock = self._establish(now + FAILOVER_TRY_S, (1.0, 1.0), rejoining=True)
+                sock = home._establish(now + FAILOVER_TRY_S, (1.0, 1.0), rejoining=True)
             except (AFDPeerError, AFDHandshakeError):
-                self._aim(guest)
                 return
             with self._lock:
                 moved = not (self._in_step or self._dead)
                 if moved:
+                    self._aim(self.home)
                     old, self.sock = self.sock, sock
                     # DBO's background reader reads a duplicate of the old socket
                     reader, self._reader = self._reader, None
                     rsock, self._rsock = self._rsock, None
             if not moved:  # a step began meanwhile: try again later
                 with contextlib.suppress(AFDPeerError):
-                    send_all(sock, Control(MSG_GOODBYE).pack(), 2.0, self.peer)
+                    send_all(sock, Control(MSG_GOODBYE).pack(), 2.0, home.peer)
                 sock.close()
-                self._aim(guest)
                 return
         with contextlib.suppress(AFDPeerError):
             send_all(old, Control(MSG_GOODBYE).pack(), 2.0, guest_peer)
