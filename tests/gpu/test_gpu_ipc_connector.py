@@ -464,8 +464,9 @@ def test_ipc_rejoin_graph_replay_reruns_whole_across_an_ffn_restart(rejoin_pair)
     same way."""
     from vllm.afd import rejoin
 
-    served_before_death = 3  # eager, warm-up, capture do not count: replays 0 and 1 do
-    p = rejoin_pair(die_after=served_before_death + 2)
+    # The FFN process serves the eager step (its step 0), the warm-up (1) and three
+    # replays (2-4; the capture reaches it not); it dies in its step 5.
+    p = rejoin_pair(die_after=5)
     conn = p.conn
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn((8, HIDDEN), dtype=torch.bfloat16, device="cuda", generator=gen)
