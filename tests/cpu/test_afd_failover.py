@@ -110,6 +110,23 @@ def steps_served(srv: su.Server) -> float:
     return sum(float(v) for v in found)
 
 
+def served_so_far(srv: su.Server, timeout: float) -> float:
+    """steps_served once the server's HTTP side answers (bounded). Its /health is not
+    waited for: it answers 503 while any AFD snapshot of a descendant process says an
+    attention rank waits for its FFN rank, and a stale snapshot of a dead attention
+    process whose pid a child of this server reuses says so too."""
+    deadline = time.monotonic() + timeout
+    while True:
+        srv.check_alive()
+        try:
+            if su.http_get(f"{srv.url}/metrics", timeout=5)[0] == 200:
+                return steps_served(srv)
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{srv.name}: /metrics not up in {timeout} s"
+        time.sleep(0.5)
+
+
 def test_ffn_replica_killed_ranks_fail_over_and_move_home(model_dir, log_dir):
     reference = plain_reference(model_dir, log_dir)
     api0, api1, api_f0, api_f1 = su.free_ports(4)
@@ -150,11 +167,14 @@ def test_ffn_replica_killed_ranks_fail_over_and_move_home(model_dir, log_dir):
         wait_log(att0, "moved back from FFN rank 1", START_TIMEOUT_S)
         t_home = time.monotonic() - t_start
         wait_log(ffn1, "let guest attention rank 0 go", 10)
-        wait_healthy([ffn0], START_TIMEOUT_S)
-        before = steps_served(ffn0)
+        # Not /health: its 503 can come from a stale snapshot (see served_so_far).
+        before = served_so_far(ffn0, START_TIMEOUT_S)
         streams = streams_on([att0, att1])
         assert_complete(streams, want)
-        assert steps_served(ffn0) > before, "rank 0's steps not served by FFN rank 0"
+        deadline = time.monotonic() + 15  # the counters reach /metrics every few seconds
+        while steps_served(ffn0) <= before:
+            assert time.monotonic() < deadline, "rank 0's steps not served by FFN rank 0"
+            time.sleep(0.5)
         print(
             f"FFN rank 0 restarted: rank 0 moved home {t_home:.1f} s after the start "
             f"({time.monotonic() - t_kill:.1f} s after the kill); served there again"
