@@ -12,7 +12,8 @@ orphan otherwise). One test, two pairs on the same ports:
    fails as for a killed FFN (the stream ends with an error, the next request gets a 5xx or
    a refused connection, the server exits 1 naming the lost FFN rank);
 2. a new pair; the attention API server is SIGKILLed: its children are gone within
-   ORPHAN_EXIT_S and the FFN server notices the lost attention rank and exits 1.
+   ORPHAN_EXIT_S and the FFN server drops the lost attention rank within BOUND_S and serves
+   on (an FFN rank survives the loss of an attention rank and takes it again later).
 """
 
 from __future__ import annotations
@@ -159,16 +160,19 @@ def test_children_of_a_killed_api_server_end(model_dir, tmp_path):
         assert attn.proc.returncode == 1, su.log_tail(attn.log_path)
         print(f"attention server exited {t_attn:.2f} s after the FFN API server kill")
 
-        # 2. a new pair on the same ports: the attention API server dies
+        # 2. a new pair on the same ports: the attention API server dies; its children
+        # follow, and the FFN server drops that attention rank and serves on (it takes the
+        # rank again when its server comes back: tests/cpu/test_afd_faults.py)
         attn, ffn = pair.start_both()
         t_kill, children = kill_api_server(attn)
         attn_times = assert_children_gone(attn, children, t_kill)
-        assert su.wait_for_exit(ffn.proc, BOUND_S) is not None, "FFN server still up"
+        lost = "FFN rank 0 lost attention rank 0 ("
+        seen = su.wait_for_log(ffn.log_path, lost, BOUND_S, proc=ffn.proc)
         t_ffn = time.monotonic() - t_kill
-        lost = "lost AFD peer attention rank 0 at 127.0.0.1:"
-        assert lost in ffn.log_path.read_text(errors="replace"), su.log_tail(ffn.log_path)
-        assert ffn.proc.returncode == 1, su.log_tail(ffn.log_path)
-        print(f"FFN server exited {t_ffn:.2f} s after the attention API server kill")
+        assert seen is not None, su.log_tail(ffn.log_path)
+        assert ffn.proc.poll() is None, su.log_tail(ffn.log_path)  # still serving
+        print(f"FFN server dropped the attention rank {t_ffn:.2f} s after the attention API "
+              "server kill and serves on")
         print(f"figures: FFN children {ffn_times}, attention children {attn_times}")
     finally:
         su.stop_servers(pair.started)  # their process groups hold any orphan left
