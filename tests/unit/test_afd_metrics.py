@@ -192,8 +192,8 @@ def test_only_own_live_descendants_are_read(mdir):
                               capture_output=True, text=True, check=True)
         dead_pid = int(dead.stdout)
         for role, pid in [("attention", child.pid), ("ffn", dead_pid), ("ffn", 1)]:
-            snap = {"pid": pid, "role": role, "rank": 0, "time": time.time(),
-                    "counters": {"steps": 1}}
+            snap = {"pid": pid, "start": metrics.process_start(pid), "role": role,
+                    "rank": 0, "time": time.time(), "counters": {"steps": 1}}
             (mdir / f"{role}-0-{pid}.json").write_text(json.dumps(snap))
         (mdir / "garbage.json").write_text("{not json")
         assert metrics.is_descendant(child.pid, os.getpid())
@@ -207,10 +207,27 @@ def test_only_own_live_descendants_are_read(mdir):
         child.wait()
 
 
+def test_a_snapshot_of_a_reused_pid_is_not_read(mdir):
+    """A killed process leaves its snapshot; a new process (here: this one, a descendant of
+    the reader) that gets the same pid must not inherit it - an attention rank's outage in
+    such a file made a restarted server's /health answer 503 while it served."""
+    me = os.getpid()
+    start = metrics.process_start(me)
+    assert isinstance(start, int) and start > 0
+    stale = {"pid": me, "start": start - 1, "role": "attention", "rank": 0,
+             "time": time.time(), "counters": {"steps": 1}, "outage_seconds": 5.4}
+    (mdir / f"attention-0-{me}.json").write_text(json.dumps(stale))
+    assert metrics.read_snapshots() == []
+    assert metrics.health_problem() is None
+    (mdir / f"attention-0-{me}.json").write_text(json.dumps({**stale, "start": start}))
+    assert [s["pid"] for s in metrics.read_snapshots()] == [me]
+    assert "attention rank 0 (5.4 s)" in metrics.health_problem()
+
+
 def test_newest_snapshot_per_role_and_rank(mdir):
     for t, steps in [(100.0, 1), (200.0, 7)]:
-        snap = {"pid": os.getpid(), "role": "attention", "rank": 0, "time": t,
-                "counters": {"steps": steps}}
+        snap = {"pid": os.getpid(), "start": metrics.process_start(os.getpid()),
+                "role": "attention", "rank": 0, "time": t, "counters": {"steps": steps}}
         (mdir / f"attention-0-x{int(t)}.json").write_text(json.dumps(snap))
     (snap,) = metrics.read_snapshots()
     assert snap["counters"]["steps"] == 7
@@ -287,8 +304,9 @@ def victim(tmp_path):
 
 
 def write_snapshot(directory, name: str, **fields) -> None:
-    snap = {"pid": os.getpid(), "role": "attention", "rank": 0, "time": time.time(),
-            "counters": {"steps": 1}, **fields}
+    snap = {"pid": os.getpid(), "start": metrics.process_start(os.getpid()),
+            "role": "attention", "rank": 0, "time": time.time(), "counters": {"steps": 1},
+            **fields}
     (directory / name).write_text(json.dumps(snap))
 
 

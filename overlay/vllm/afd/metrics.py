@@ -330,6 +330,7 @@ class AFDStats:
         with self._lock:
             return {
                 "pid": os.getpid(),
+                "start": process_start(os.getpid()),
                 "role": self.role,
                 "rank": self.rank,
                 "time": time.time(),
@@ -376,7 +377,8 @@ STATS = AFDStats()
 
 
 # ---------------------------------------------------------------- collector
-def parent_pid(pid: int) -> int | None:
+def _stat_field(pid: int, field: int) -> int | None:
+    """Field ``field`` (1-based, as proc(5) numbers them, 4 or more) of /proc/PID/stat."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
@@ -384,9 +386,19 @@ def parent_pid(pid: int) -> int | None:
         return None
     # "pid (comm) state ppid ..." - comm may hold spaces and parentheses
     try:
-        return int(stat.rsplit(")", 1)[1].split()[1])
+        return int(stat.rsplit(")", 1)[1].split()[field - 3])
     except (IndexError, ValueError):
         return None
+
+
+def parent_pid(pid: int) -> int | None:
+    return _stat_field(pid, 4)
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot): with the pid it names one
+    process, since the kernel reuses pids."""
+    return _stat_field(pid, 22)
 
 
 def is_descendant(pid: int, ancestor: int) -> bool:
@@ -401,7 +413,9 @@ def is_descendant(pid: int, ancestor: int) -> bool:
 
 def read_snapshots(ancestor: int | None = None) -> list[dict]:
     """Snapshots of live AFD processes that are ``ancestor`` (default: this
-    process) or its descendants; the newest per (role, rank)."""
+    process) or its descendants; the newest per (role, rank). A snapshot counts only
+    while the process that wrote it runs: the same pid with the same start time (a
+    killed process leaves its file, and its pid may go to a child of a new server)."""
     ancestor = os.getpid() if ancestor is None else ancestor
     best: dict[tuple, dict] = {}
     for _, data in read_private_files(".json"):
@@ -410,7 +424,7 @@ def read_snapshots(ancestor: int | None = None) -> list[dict]:
             pid = int(snap["pid"])
         except (ValueError, KeyError, TypeError):
             continue
-        if not is_descendant(pid, ancestor):
+        if not is_descendant(pid, ancestor) or snap.get("start") != process_start(pid):
             continue
         key = (snap.get("role"), snap.get("rank"))
         if key not in best or snap.get("time", 0) > best[key].get("time", 0):
