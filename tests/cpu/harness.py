@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -163,3 +164,28 @@ def wait_healthy(servers: list[su.Server], timeout: float) -> dict[str, float]:
         tbs = [f"--- first traceback of the {s.name} server ({s.log_path}):\n"
                f"{su.find_traceback(s.log_path)}" for s in servers]  # fmt: skip
         pytest.fail("\n".join(tbs) + f"\n\n--- {e}", pytrace=False)
+
+
+class TokenStream(threading.Thread):
+    """One greedy streaming completion of ``max_tokens`` tokens from ``srv`` (ignore_eos,
+    token ids in the chunks), started at once; ``ids``: the token ids of its chunks, in
+    order; ``result``: su.stream_completion's once it ended."""
+
+    PARAMS = {"temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True,
+              "logprobs": 1}  # fmt: skip
+
+    def __init__(self, srv: su.Server, prompt: str, max_tokens: int, timeout: float = 240):
+        super().__init__(daemon=True)
+        self.srv, self.prompt, self.max_tokens, self.timeout = srv, prompt, max_tokens, timeout
+        self.ids: list[int] = []
+        self.result: dict | None = None
+        self.start()
+
+    def run(self):
+        def on_chunk(chunk):
+            for choice in chunk.get("choices") or []:
+                self.ids += su.token_ids((choice.get("logprobs") or {}).get("tokens") or [])
+
+        self.result = su.stream_completion(self.srv.url, self.prompt,
+                                           max_tokens=self.max_tokens, timeout=self.timeout,
+                                           on_chunk=on_chunk, **self.PARAMS)  # fmt: skip

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from harness import AfdProc, free_afd_port, wait_healthy
+from harness import AfdProc, TokenStream, free_afd_port, wait_healthy
 
 import serve_util as su
 
@@ -32,8 +31,6 @@ REJOIN_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 300.0
 PROMPTS = [f"Story number {i}: once upon a time" for i in range(4)]
 STREAM_TOKENS = 64
-PARAMS = {"temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True,
-          "logprobs": 1}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -51,27 +48,10 @@ def plain_reference(model_dir: Path, log_dir: Path) -> AfdProc:
                     "--out", str(log_dir / "plain.json"), "--max-num-seqs", "8"])  # fmt: skip
 
 
-class Stream(threading.Thread):
-    """One greedy streaming completion; ``ids``: the token ids of its chunks, in order."""
-
-    def __init__(self, srv: su.Server, prompt: str):
-        super().__init__(daemon=True)
-        self.srv, self.prompt = srv, prompt
-        self.ids: list[int] = []
-        self.result: dict | None = None
-        self.start()
-
-    def run(self):
-        def on_chunk(chunk):
-            for choice in chunk.get("choices") or []:
-                self.ids += su.token_ids((choice.get("logprobs") or {}).get("tokens") or [])
-
-        self.result = su.stream_completion(self.srv.url, self.prompt, max_tokens=STREAM_TOKENS,
-                                           timeout=240, on_chunk=on_chunk, **PARAMS)  # fmt: skip
 
 
-def streams_on(servers: list[su.Server]) -> list[Stream]:
-    streams = [Stream(srv, p) for srv in servers for p in PROMPTS]
+def streams_on(servers: list[su.Server]) -> list[TokenStream]:
+    streams = [TokenStream(srv, p, STREAM_TOKENS) for srv in servers for p in PROMPTS]
     deadline = time.monotonic() + 120
     while not all(s.ids for s in streams):
         assert time.monotonic() < deadline, "the streams did not start"
@@ -79,7 +59,7 @@ def streams_on(servers: list[su.Server]) -> list[Stream]:
     return streams
 
 
-def assert_complete(streams: list[Stream], want: list[list[int]]) -> None:
+def assert_complete(streams: list[TokenStream], want: list[list[int]]) -> None:
     """No stream failed; each has plain vLLM's greedy tokens."""
     for s in streams:
         s.join(240)

@@ -13,12 +13,11 @@ re-accept are printed.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from harness import AfdProc, wait_healthy
+from harness import AfdProc, TokenStream, wait_healthy
 
 import serve_util as su
 
@@ -55,25 +54,6 @@ def plain_reference(model_dir: Path, log_dir: Path) -> AfdProc:
                     "--out", str(log_dir / "plain.json"), "--max-num-seqs", "8"])  # fmt: skip
 
 
-class Stream(threading.Thread):
-    """One streaming completion; ``ids``: the token ids of its chunks, in order."""
-
-    def __init__(self, srv: su.Server, prompt: str):
-        super().__init__(daemon=True)
-        self.srv, self.prompt = srv, prompt
-        self.ids: list[int] = []
-        self.result: dict | None = None
-        self.start()
-
-    def run(self):
-        def on_chunk(chunk):
-            for choice in chunk.get("choices") or []:
-                self.ids += su.token_ids((choice.get("logprobs") or {}).get("tokens") or [])
-
-        self.result = su.stream_completion(
-            self.srv.url, self.prompt, max_tokens=STREAM_TOKENS, timeout=240,
-            on_chunk=on_chunk, **{**PARAMS, "logprobs": 1},
-        )  # fmt: skip
 
 
 def check(srv: su.Server, want: dict[str, dict]) -> None:
@@ -124,8 +104,8 @@ def test_attention_rank_killed_and_restarted_the_other_never_stops(model_dir, lo
         assert wait_log(ffn, accepted, 1, 5) is not None
 
         # Both ranks stream (their steps share the FFN's passes); rank 1 dies mid-stream.
-        streams0 = [Stream(att0, p) for p in STREAM_PROMPTS]
-        streams1 = [Stream(att1, p) for p in STREAM_PROMPTS[:2]]
+        streams0 = [TokenStream(att0, p, STREAM_TOKENS) for p in STREAM_PROMPTS]
+        streams1 = [TokenStream(att1, p, STREAM_TOKENS) for p in STREAM_PROMPTS[:2]]
         deadline = time.monotonic() + 120
         while not all(s.ids for s in streams0 + streams1):
             assert time.monotonic() < deadline, "the streams did not start"
