@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from oracle_lib import write_prompts
 
 import serve_util as su
 
@@ -189,3 +190,12 @@ class TokenStream(threading.Thread):
         self.result = su.stream_completion(self.srv.url, self.prompt,
                                            max_tokens=self.max_tokens, timeout=self.timeout,
                                            on_chunk=on_chunk, **self.PARAMS)  # fmt: skip
+
+
+def start_plain(model_dir: Path, directory: Path, spec: dict, max_num_seqs: int = 8) -> AfdProc:
+    """Plain vLLM on ``spec``'s prompts (``afd_proc.py plain``) in a process of its own: the
+    prompts in ``directory``/prompts.json, its output in plain.json, its log in plain.log."""
+    prompts = write_prompts(directory, spec)
+    return AfdProc("plain", model_dir, directory / "plain.log",
+                   ["--prompts", str(prompts), "--out", str(directory / "plain.json"),
+                    "--max-num-seqs", str(max_num_seqs)])  # fmt: skip

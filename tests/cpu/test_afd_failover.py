@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import AfdProc, TokenStream, free_afd_port, wait_healthy
+from harness import AfdProc, TokenStream, free_afd_port, start_plain, wait_healthy
 
 import serve_util as su
 
@@ -41,11 +41,8 @@ def log_dir(tmp_path_factory) -> Path:
 
 
 def plain_reference(model_dir: Path, log_dir: Path) -> AfdProc:
-    spec = {"prompts": PROMPTS, "max_tokens": [STREAM_TOKENS] * len(PROMPTS)}
-    (log_dir / "prompts.json").write_text(json.dumps(spec))
-    return AfdProc("plain", model_dir, log_dir / "plain.log",
-                   ["--prompts", str(log_dir / "prompts.json"),
-                    "--out", str(log_dir / "plain.json"), "--max-num-seqs", "8"])  # fmt: skip
+    return start_plain(model_dir, log_dir,
+                       {"prompts": PROMPTS, "max_tokens": [STREAM_TOKENS] * len(PROMPTS)})
 
 
 

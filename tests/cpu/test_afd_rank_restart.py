@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import AfdProc, TokenStream, wait_healthy
+from harness import AfdProc, TokenStream, start_plain, wait_healthy
 
 import serve_util as su
 
@@ -46,12 +46,10 @@ def log_dir(tmp_path_factory) -> Path:
 
 def plain_reference(model_dir: Path, log_dir: Path) -> AfdProc:
     """Plain vLLM on the streamed and the checked prompts, in a process of its own."""
-    spec = {"prompts": STREAM_PROMPTS + CHECK_PROMPTS,
-            "max_tokens": [STREAM_TOKENS] * len(STREAM_PROMPTS) + [CHECK_TOKENS] * 2}
-    (log_dir / "prompts.json").write_text(json.dumps(spec))
-    return AfdProc("plain", model_dir, log_dir / "plain.log",
-                   ["--prompts", str(log_dir / "prompts.json"),
-                    "--out", str(log_dir / "plain.json"), "--max-num-seqs", "8"])  # fmt: skip
+    return start_plain(model_dir, log_dir, {
+        "prompts": STREAM_PROMPTS + CHECK_PROMPTS,
+        "max_tokens": [STREAM_TOKENS] * len(STREAM_PROMPTS) + [CHECK_TOKENS] * 2,
+    })
 
 
 

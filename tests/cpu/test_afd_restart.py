@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import AfdProc, wait_healthy
+from harness import start_plain, wait_healthy
 
 import serve_util as su
 
@@ -54,11 +54,9 @@ def log_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(model_dir, log_dir) -> list[list[int]]:
     """Plain vLLM's greedy token ids of PROMPTS (an engine in a process of its own)."""
-    prompts = log_dir / "prompts.json"
+    spec = {"prompts": PROMPTS, "max_tokens": [MAX_TOKENS] * N_STREAMS}
+    proc = start_plain(model_dir, log_dir, spec, max_num_seqs=16)
     out = log_dir / "plain.json"
-    prompts.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": [MAX_TOKENS] * N_STREAMS}))
-    proc = AfdProc("plain", model_dir, log_dir / "plain.log",
-                   ["--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "16"])  # fmt: skip
     rc = proc.wait(300)
     if rc != 0:
         pytest.fail(f"afd_proc.py plain failed (rc={rc}):\n{proc.tail()}", pytrace=False)
