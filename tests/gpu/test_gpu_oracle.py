@@ -73,18 +73,23 @@ GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_si
 COMPILED_GRAPHS = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}
 MODES = {"eager": None, "graphs": GRAPHS, "compiled-graphs": COMPILED_GRAPHS}
 
+# The model runner of the cases that do not compare runners: V1 where the installed vLLM
+# has it (up to 0.33.0), else V2 (0.34.0 deleted V1).
+RUNNER = "v1" if HAS_V1_RUNNER else "v2"
+
 # (connector, FFN GPU, mode, model runner)
 CASES = [
     ("gloo", 0, "eager", None),
-    ("cuda_ipc", 0, "eager", "v1"),
+    ("cuda_ipc", 0, "eager", RUNNER),
     ("cuda_ipc", 0, "eager", "v2"),
-    ("cuda_ipc", 0, "graphs", "v1"),
+    ("cuda_ipc", 0, "graphs", RUNNER),
     ("cuda_ipc", 0, "graphs", "v2"),
 ]
 if torch.cuda.device_count() >= 2:
     CASES.append(("nccl", 1, "eager", None))
     # FFN rank on GPU 1: inboxes in the other GPU's memory, over NVLink
-    CASES.append(("cuda_ipc", 1, "graphs", "v1"))
+    CASES.append(("cuda_ipc", 1, "graphs", RUNNER))
+CASES = [c for c in CASES if c[3] != "v1" or HAS_V1_RUNNER]
 
 _PLAIN: dict[tuple, dict] = {}
 
@@ -174,18 +179,18 @@ def test_gpu_oracle_1a1f(name, connector, ffn_gpu, mode, runner, tmp_path, procs
 @pytest.mark.parametrize("name", ["qwen3_moe"])
 def test_gpu_oracle_compiled_graphs(name, tmp_path, procs):
     """torch.compile + FULL_DECODE_ONLY: the remote-FFN op stays opaque."""
-    plain = _plain(name, "compiled-graphs", "v1", tmp_path / "plain", procs)
-    afd = _afd(name, "cuda_ipc", 0, "compiled-graphs", "v1", tmp_path, procs)
+    plain = _plain(name, "compiled-graphs", RUNNER, tmp_path / "plain", procs)
+    afd = _afd(name, "cuda_ipc", 0, "compiled-graphs", RUNNER, tmp_path, procs)
     worst, ties = oracle_lib.assert_outputs_match_up_to_ties(plain, afd, COMPILE_TOL)
-    print(f"ORACLE {name} cuda_ipc compiled-graphs runner=v1: tokens identical up to ties "
+    print(f"ORACLE {name} cuda_ipc compiled-graphs runner={RUNNER}: tokens identical up to ties "
           f"({ties} prompts took a tie differently), max |logprob diff| {worst:.3g}")
 
 
 def test_gpu_oracle_router_on_attention(tmp_path, procs):
     """Router logits travel with the hidden states through the device inboxes."""
     name = "qwen3_moe"
-    plain = _plain(name, "graphs", "v1", tmp_path / "plain", procs)
-    afd = _afd(name, "cuda_ipc", 0, "graphs", "v1", tmp_path, procs,
+    plain = _plain(name, "graphs", RUNNER, tmp_path / "plain", procs)
+    afd = _afd(name, "cuda_ipc", 0, "graphs", RUNNER, tmp_path, procs,
                extra={"compute_gate_on_attention": True})
     worst = _compare(plain, afd)
     print(f"ORACLE {name} cuda_ipc graphs gate-on-attention: tokens identical, "
@@ -195,8 +200,8 @@ def test_gpu_oracle_router_on_attention(tmp_path, procs):
 def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
     """The FFN-side graph cache changes nothing but speed."""
     name = "qwen3_moe"
-    plain = _plain(name, "graphs", "v1", tmp_path / "plain", procs)
-    afd = _afd(name, "cuda_ipc", 0, "graphs", "v1", tmp_path, procs,
+    plain = _plain(name, "graphs", RUNNER, tmp_path / "plain", procs)
+    afd = _afd(name, "cuda_ipc", 0, "graphs", RUNNER, tmp_path, procs,
                extra={"connector_extra_config": {"ffn_cuda_graphs": False}})
     _compare(plain, afd)
     assert "captured a CUDA graph" not in _ffn_log(tmp_path)
@@ -253,9 +258,9 @@ def test_gpu_oracle_m_attention_ranks_one_ffn_rank(name, num_attention, tmp_path
     """nA1F: each attention rank's output equals plain vLLM's (the FFN rank keeps one
     inbox row per attention rank and batches the ranks that are ready)."""
     mode = "graphs"
-    plain = _plain(name, mode, "v1", tmp_path / "plain", procs)
+    plain = _plain(name, mode, RUNNER, tmp_path / "plain", procs)
     ffns: list = []
-    outs = _afd(name, "cuda_ipc", 0, mode, "v1", tmp_path, procs, keep_ffn=ffns,
+    outs = _afd(name, "cuda_ipc", 0, mode, RUNNER, tmp_path, procs, keep_ffn=ffns,
                 num_attention=num_attention, gpu_args=MN_GPU_ARGS)
     worst = max(_compare(plain, out) for out in outs)
     for r in range(num_attention):
@@ -274,9 +279,9 @@ def test_gpu_oracle_2a2f_ffn_group_expert_parallel(name, tmp_path, procs):
     take the expert map), two attention ranks on GPU 0, connector gloo (an FFN group's
     connector in this release; the attention role runs eager). Each attention rank
     equals plain vLLM."""
-    plain = _plain(name, "eager", "v1", tmp_path / "plain", procs)
+    plain = _plain(name, "eager", RUNNER, tmp_path / "plain", procs)
     ffns: list = []
-    outs = _afd(name, "gloo", "0,1", "eager", "v1", tmp_path, procs, extra={"timeout_s": 60},
+    outs = _afd(name, "gloo", "0,1", "eager", RUNNER, tmp_path, procs, extra={"timeout_s": 60},
                 keep_ffn=ffns, num_attention=2, gpu_args=MN_GPU_ARGS, ffn_group=2,
                 ffn_args=("--tensor-parallel-size", "2", "--enable-expert-parallel"))
     worst = max(_compare(plain, out) for out in outs)
