@@ -4,8 +4,10 @@ default, the kernels each path launches, the pointer table and the attention
 rank's own buffers across a re-handshake with a new FFN rank (the table's
 kernels run for real in Triton's interpreter, in a child process), the
 watchdog's choice between holding a loss and ending the rank, and
-``run_forward``'s decision to re-run a forward. The device path runs in
-tests/gpu/test_gpu_ipc_connector.py (test_ipc_rejoin_*).
+``run_forward``'s decision to re-run a forward, and the model runners' hook
+(``vllm.afd.attention.guard_forward``) routing a forward there. The device path
+runs in tests/gpu/test_gpu_ipc_connector.py (test_ipc_rejoin_*), the `vllm
+serve` restart in tests/gpu/test_gpu_ipc_restart.py.
 """
 
 from __future__ import annotations
@@ -301,8 +303,9 @@ def test_the_watchdog_holds_a_loss_under_run_forward_and_releases_own_waits(monk
 
 @pytest.mark.parametrize("rejoin_on", [False, True])
 def test_the_watchdog_ends_the_rank_as_before_otherwise(monkeypatch, rejoin_on):
-    """Off (the default), and on before any forward ran under run_forward (no
-    in-tree hook: a replayed graph's output would reach sampling unchecked)."""
+    """Off (the default), and on before any forward ran under run_forward (a
+    forward outside it - the engine's start-up runs - would have its output
+    reach sampling unchecked)."""
     fake_device(monkeypatch.setattr)
     att, _ = connected(rejoin_on)
     recorded = _watch(att, "lost AFD peer x: connection closed", monkeypatch)
@@ -406,7 +409,7 @@ def test_without_the_opt_in_or_a_window_the_forward_runs_once_unchecked(conn):
 
 
 def test_a_graph_capture_runs_the_forward_once_unchecked(monkeypatch):
-    """The hook will also see the model runner's captures: no synchronisation
+    """The hook may also see the model runner's captures: no synchronisation
     there (it would break the capture), and a capture guards nothing yet."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -414,3 +417,76 @@ def test_a_graph_capture_runs_the_forward_once_unchecked(monkeypatch):
     forward, calls = _forward(["captured"])
     assert rejoin.run_forward(conn, forward) == "captured" and calls == [0]
     assert not conn.forwards_guarded
+
+
+# ------------------------------------------- the model runners' hook (guard)
+def _recording(outputs: list):
+    """A model runner's forward callable: records its arguments, gives ``outputs`` in turn."""
+    calls: list = []
+
+    def forward(*args, **kwargs):
+        calls.append((args, kwargs))
+        return outputs[len(calls) - 1]
+
+    return forward, calls
+
+
+@pytest.mark.parametrize("conn", [None, FakeConn([], rejoin_on=False)], ids=["no-afd", "no-opt-in"])
+def test_the_hook_is_the_forward_itself_without_an_ipc_rejoin_connector(conn, monkeypatch):
+    """No AFD connector (an FFN server, plain vLLM past the hook's check), or a
+    connector without ipc_rejoin (gloo, nccl, cuda_ipc by default): the runner
+    calls its own callable, nothing wrapped."""
+    from vllm.afd import attention
+
+    monkeypatch.setattr(attention.CLIENT, "connector", conn)
+    forward, calls = _recording(["out"])
+    for ubatched in (False, True):
+        assert attention.guard_forward(forward, ubatched) is forward
+    assert calls == []
+
+
+def test_the_hook_runs_an_ipc_rejoin_forward_under_run_forward(monkeypatch):
+    """The attention rank's connector with ipc_rejoin: a call of the guarded
+    callable passes the runner's arguments on, and a pass that lost the FFN rank
+    runs again after the rejoin (run_forward); the first output is dropped."""
+    from vllm.afd import attention
+
+    conn = FakeConn(["lost AFD peer x: connection closed", None])
+    monkeypatch.setattr(attention.CLIENT, "connector", conn)
+    forward, calls = _recording(["garbage", "clean"])
+    guarded = attention.guard_forward(forward)
+    assert guarded is not forward
+    assert guarded("batch", n=3) == "clean"
+    assert calls == [(("batch",), {"n": 3})] * 2 and len(conn.reconnects) == 1
+    assert conn.forwards_guarded
+
+
+def test_a_micro_batched_forward_rejoins_first_then_runs_once_unguarded(monkeypatch):
+    """DBO keeps the fail-fast path: a loss held since the last forward is rejoined
+    before the step (a pass of nothing), the step runs once with losses not held
+    (the watchdog would end the rank), and guarding is back on after it."""
+    from vllm.afd import attention
+
+    # pre-check: lost, then clean after the rejoin; after the DBO forward: clean
+    conn = FakeConn(["lost AFD peer x: connection closed", None, None])
+    monkeypatch.setattr(attention.CLIENT, "connector", conn)
+    seen: list[bool] = []
+
+    def forward(x):
+        seen.append(conn.holds_losses())
+        return x + 1
+
+    assert attention.guard_forward(forward, ubatched=True)(1) == 2
+    assert seen == [False] and len(conn.reconnects) == 1 and conn.forwards_guarded
+
+
+def test_a_loss_found_after_a_micro_batched_forward_fails_the_step(monkeypatch):
+    recorded = []
+    monkeypatch.setattr(failure, "record", lambda *a: recorded.append(a))
+    conn = FakeConn([None, "lost AFD peer x: connection closed"])
+    forward, calls = _recording(["garbage"])
+    with pytest.raises(AFDPeerError, match="connection closed; a micro-batched .DBO. step is "
+                                           "not re-run"):  # fmt: skip
+        rejoin.guard(conn, forward, ubatched=True)()
+    assert len(calls) == 1 and conn.reconnects == [] and recorded
+    assert conn.forwards_guarded

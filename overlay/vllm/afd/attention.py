@@ -228,6 +228,13 @@ def connect(vllm_config, fingerprint: dict, num_router_logits: int | None) -> No
     CLIENT.connect(vllm_config, fingerprint, num_router_logits)
 
 
+def guard_forward(forward, ubatched: bool = False):
+    """The model runner's forward callable as this process runs it (the in-tree
+    hook of the model runners calls this): vllm.afd.rejoin.guard with this
+    process's connector; ``forward`` itself unless that is cuda_ipc with ipc_rejoin."""
+    return rejoin.guard(CLIENT.connector, forward, ubatched)
+
+
 def _afd_remote_ffn(hidden_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
     return CLIENT.exchange(hidden_states, layer_idx)
 

@@ -20,7 +20,9 @@ loss to come back; after that the step fails with the loss's error, as without
 rejoin. A micro-batched (DBO) step, a connector without ``can_rejoin``
 (``nccl``; ``cuda_ipc`` by default) and ``rejoin_timeout_s`` 0 keep the
 fail-fast path. On ``cuda_ipc`` with ``connector_extra_config.ipc_rejoin``
-(opt-in, not proven on a GPU yet) the whole forward re-runs: ``run_forward``.
+(opt-in, not proven on a GPU yet) the whole forward re-runs: ``run_forward``,
+which the model runners' forward calls reach through ``guard`` (the in-tree
+hook calls ``vllm.afd.attention.guard_forward``).
 """
 
 from __future__ import annotations
@@ -109,6 +111,45 @@ def rerun_step(
 
 
 # ------------------------------------------------- cuda_ipc: re-run the forward
+def guard(conn, forward: Callable[..., T], ubatched: bool = False) -> Callable[..., T]:
+    """The model runner's forward callable ``forward`` (the model, a CUDA-graph
+    replay, a micro-batched run) as this attention rank must call it, given its
+    connector ``conn``: ``forward`` itself (nothing added) unless ``conn`` is a
+    cuda_ipc connector with ``ipc_rejoin``; then each call runs under
+    ``run_forward``, or, for a micro-batched (DBO) step (``ubatched``), under
+    ``run_fail_fast``."""
+    if conn is None or not getattr(conn, "rejoin", False):
+        return forward
+    if ubatched:
+        return lambda *args, **kwargs: run_fail_fast(conn, lambda: forward(*args, **kwargs))
+    return lambda *args, **kwargs: run_forward(conn, lambda: forward(*args, **kwargs))
+
+
+def run_fail_fast(conn, forward: Callable[[], T]) -> T:
+    """A micro-batched (DBO) forward on cuda_ipc with ``ipc_rejoin``: not re-run
+    (two threads share its exchanges), so it keeps the fail-fast path. A loss
+    held since the last forward is rejoined first (``run_forward`` of nothing);
+    during the forward a loss is not held (the watchdog ends the rank, as without
+    rejoin); a loss found after it (held just before) fails the step with
+    AFDPeerError: its output never reaches sampling."""
+    if _capturing():
+        return forward()
+    run_forward(conn, _nothing)
+    conn.forwards_guarded = False
+    try:
+        out = forward()
+        lost = conn.step_lost()
+    finally:
+        conn.forwards_guarded = True
+    if lost is not None:
+        _give_up(conn, f"{lost}; a micro-batched (DBO) step is not re-run")
+    return out
+
+
+def _nothing() -> None:
+    return None
+
+
 def run_forward(conn, forward: Callable[[], T]) -> T:
     """The model forward ``forward()`` (an eager pass or a CUDA-graph replay) of
     an attention rank on cuda_ipc with ``connector_extra_config.ipc_rejoin``: a
