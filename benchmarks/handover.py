@@ -6,7 +6,8 @@ one CUDA graph per step: ``split``, the connector's way (overlay/vllm/distribute
 ipc_kernels.py, loaded from this tree: a torch copy plus a signal kernel to send, a wait
 kernel plus a torch copy to receive), and ``fused``, an experiment kept here (one kernel per
 side: the sender's programs copy and the last one signals; the receiver's programs wait,
-copy, and the last one advances the counter). Measured on an H200 under MPS the fused one is
+copy, and the last one advances the counter; their signal and wait are the connector's
+device bodies ``signal_at`` and ``spin_wait``). Measured on an H200 under MPS the fused one is
 slower (docs/benchmarks.md), so the connector keeps the split one. The FFN side only echoes the
 message, so the step time is the hand-overs alone: ``us per hand-over = step / (2 x
 layers)``. Both processes on one GPU (under CUDA MPS with ``--mps``; without it they
@@ -33,15 +34,27 @@ TIMEOUT_NS = 10 * 10**9
 
 FUSED_BLOCK = 2048  # int32 words each program of a fused kernel copies
 
+
+def load_kernels():
+    """The connector's kernels module, loaded from this tree (not the installed wheel)."""
+    spec = importlib.util.spec_from_file_location("afd_ipc_kernels", KERNELS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 try:  # the GPU host's torch ships triton; elsewhere only --help and the parser work
     import torch
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import globaltimer
 except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
+    IPC = load_kernels()
+    # The fused experiment has no counterpart in ipc_kernels.py, so its two kernels live
+    # here; their signal and wait are the connector's own device bodies, not a copy.
+    signal_at, spin_wait = IPC.signal_at, IPC.spin_wait
 
     @triton.jit(do_not_specialize=["n_words"])
     def _send_fused_kernel(src_ptr, dst_ptr, n_words, ctr_ptr, flag_ptr, done_ptr,
@@ -54,23 +67,14 @@ if triton is not None:
         prev = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys")
         if prev == tl.num_programs(0) - 1:  # the last program: every part is written
             tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
-            c = tl.load(ctr_ptr) + 1
-            tl.store(ctr_ptr, c)
-            tl.atomic_xchg(flag_ptr, c, sem="release", scope="sys")
+            signal_at(ctr_ptr, flag_ptr)
 
     @triton.jit(do_not_specialize=["n_words", "timeout_ns"])
     def _recv_fused_kernel(src_ptr, dst_ptr, n_words, ctr_ptr, flag_ptr, err_ptr, done_ptr,
                            timeout_ns, BLOCK: tl.constexpr):  # fmt: skip
         pid = tl.program_id(0)
         c = tl.load(ctr_ptr) + 1  # every program reads it before the last one advances it
-        t0 = globaltimer()
-        v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        waiting = v < c
-        while waiting:
-            v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            waiting = (v < c) & ((globaltimer() - t0) < timeout_ns)
-        if v < c:
-            tl.store(err_ptr, c)
+        spin_wait(flag_ptr, c, err_ptr, timeout_ns)
         tl.debug_barrier()  # the other threads read after this program's acquire
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_words
@@ -86,11 +90,8 @@ if triton is not None:
 
 def kernels():
     """The connector's kernels (from this tree) plus the fused experiment."""
-    spec = importlib.util.spec_from_file_location("afd_ipc_kernels", KERNELS)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    mod.send_fused, mod.recv_fused = fused_kernels()
-    return mod
+    IPC.send_fused, IPC.recv_fused = fused_kernels()
+    return IPC
 
 
 def fused_kernels():

@@ -17,7 +17,9 @@ take the peer's addresses from a device-side pointer table of this side's
 instead of from their arguments: a captured graph then holds only the table's
 address, and a re-handshake with a restarted peer rewrites the table (not the
 graph). Entry ``TABLE_CTRL`` is the peer's control buffer (its control row,
-then its data flags), entry ``TABLE_INBOX`` the peer's inbox.
+then its data flags), entry ``TABLE_INBOX`` the peer's inbox. A direct kernel and
+its ``_via`` one share one device body (``signal_at``, ``_control_at``) that takes
+the resolved address; only where the address comes from differs.
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
-    def _signal_kernel(ctr_ptr, flag_ptr):
+    def signal_at(ctr_ptr, flag_ptr):
+        """Device part of ``signal`` (inlined into its kernels): bump the counter at
+        ``ctr_ptr`` and release-store it into the flag at ``flag_ptr``, already resolved."""
         c = tl.load(ctr_ptr) + 1
         tl.store(ctr_ptr, c)
         tl.atomic_xchg(flag_ptr, c, sem="release", scope="sys")
 
-    @triton.jit(do_not_specialize=["num_tokens", "flags", "ub1_tokens"])
-    def _control_kernel(ctr_ptr, row_ptr, num_tokens, flags, ub1_tokens):
+    @triton.jit
+    def _control_at(ctr_ptr, row_ptr, num_tokens, flags, ub1_tokens):
+        """Device part of ``control``: the row's words, then its flag (word 0) last."""
         c = tl.load(ctr_ptr) + 1
         tl.store(ctr_ptr, c)
         tl.store(row_ptr + 1, c)
@@ -49,9 +54,11 @@ if triton is not None:
         tl.store(row_ptr + 6, ub1_tokens.to(tl.int64))
         tl.atomic_xchg(row_ptr, c, sem="release", scope="sys")
 
-    @triton.jit(do_not_specialize=["timeout_ns"])
-    def _wait_kernel(ctr_ptr, flag_ptr, err_ptr, timeout_ns):
-        c = tl.load(ctr_ptr) + 1
+    @triton.jit
+    def spin_wait(flag_ptr, c, err_ptr, timeout_ns):
+        """Device part of ``wait``: spin until the flag at ``flag_ptr`` reaches message
+        ``c`` or ``timeout_ns`` pass; on a timeout write ``c`` into ``err_ptr``. The
+        caller advances its counter."""
         t0 = globaltimer()
         v = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
         waiting = v < c
@@ -60,6 +67,19 @@ if triton is not None:
             waiting = (v < c) & ((globaltimer() - t0) < timeout_ns)
         if v < c:
             tl.store(err_ptr, c)  # the message this wait gave up on
+
+    @triton.jit
+    def _signal_kernel(ctr_ptr, flag_ptr):
+        signal_at(ctr_ptr, flag_ptr)
+
+    @triton.jit(do_not_specialize=["num_tokens", "flags", "ub1_tokens"])
+    def _control_kernel(ctr_ptr, row_ptr, num_tokens, flags, ub1_tokens):
+        _control_at(ctr_ptr, row_ptr, num_tokens, flags, ub1_tokens)
+
+    @triton.jit(do_not_specialize=["timeout_ns"])
+    def _wait_kernel(ctr_ptr, flag_ptr, err_ptr, timeout_ns):
+        c = tl.load(ctr_ptr) + 1
+        spin_wait(flag_ptr, c, err_ptr, timeout_ns)
         tl.store(ctr_ptr, c)
 
 
@@ -75,21 +95,11 @@ if triton is not None:
 
     @triton.jit
     def _signal_via_kernel(ctr_ptr, table_ptr, word):
-        c = tl.load(ctr_ptr) + 1
-        tl.store(ctr_ptr, c)
-        flag_ptr = _peer_ptr(table_ptr, 0, ctr_ptr) + word
-        tl.atomic_xchg(flag_ptr, c, sem="release", scope="sys")
+        signal_at(ctr_ptr, _peer_ptr(table_ptr, 0, ctr_ptr) + word)
 
     @triton.jit(do_not_specialize=["num_tokens", "flags", "ub1_tokens"])
     def _control_via_kernel(ctr_ptr, table_ptr, num_tokens, flags, ub1_tokens):
-        row_ptr = _peer_ptr(table_ptr, 0, ctr_ptr)
-        c = tl.load(ctr_ptr) + 1
-        tl.store(ctr_ptr, c)
-        tl.store(row_ptr + 1, c)
-        tl.store(row_ptr + 2, num_tokens.to(tl.int64))
-        tl.store(row_ptr + 3, flags.to(tl.int64))
-        tl.store(row_ptr + 6, ub1_tokens.to(tl.int64))
-        tl.atomic_xchg(row_ptr, c, sem="release", scope="sys")
+        _control_at(ctr_ptr, _peer_ptr(table_ptr, 0, ctr_ptr), num_tokens, flags, ub1_tokens)
 
     @triton.jit
     def _copy_via_kernel(src_ptr, table_ptr, offset, n, BLOCK: tl.constexpr):
