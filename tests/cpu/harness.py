@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -170,32 +171,48 @@ def wait_healthy(servers: list[su.Server], timeout: float) -> dict[str, float]:
 class TokenStream(threading.Thread):
     """One greedy streaming completion of ``max_tokens`` tokens from ``srv`` (ignore_eos,
     token ids in the chunks), started at once; ``ids``: the token ids of its chunks, in
-    order; ``result``: su.stream_completion's once it ended."""
+    order; ``top``: per token its ``logprobs`` most likely tokens as {token id (str):
+    logprob}, afd_proc.py's form; ``times``: when each chunk with tokens arrived
+    (time.monotonic); ``result``: su.stream_completion's once it ended."""
 
     PARAMS = {"temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True,
               "logprobs": 1}  # fmt: skip
 
-    def __init__(self, srv: su.Server, prompt: str, max_tokens: int, timeout: float = 240):
+    def __init__(self, srv: su.Server, prompt: str, max_tokens: int, timeout: float = 240,
+                 logprobs: int = 1):  # fmt: skip
         super().__init__(daemon=True)
         self.srv, self.prompt, self.max_tokens, self.timeout = srv, prompt, max_tokens, timeout
+        self.params = {**self.PARAMS, "logprobs": logprobs}
         self.ids: list[int] = []
+        self.top: list[dict[str, float]] = []
+        self.times: list[float] = []
         self.result: dict | None = None
         self.start()
 
     def run(self):
         def on_chunk(chunk):
             for choice in chunk.get("choices") or []:
-                self.ids += su.token_ids((choice.get("logprobs") or {}).get("tokens") or [])
+                logprobs = choice.get("logprobs") or {}
+                ids = su.token_ids(logprobs.get("tokens") or [])
+                self.top += [{str(su.token_ids([t])[0]): lp for t, lp in (top or {}).items()}
+                             for top in logprobs.get("top_logprobs") or []]  # fmt: skip
+                if ids:
+                    self.times.append(time.monotonic())
+                self.ids += ids
 
         self.result = su.stream_completion(self.srv.url, self.prompt,
                                            max_tokens=self.max_tokens, timeout=self.timeout,
-                                           on_chunk=on_chunk, **self.PARAMS)  # fmt: skip
+                                           on_chunk=on_chunk, **self.params)  # fmt: skip
 
 
-def start_plain(model_dir: Path, directory: Path, spec: dict, max_num_seqs: int = 8) -> AfdProc:
-    """Plain vLLM on ``spec``'s prompts (``afd_proc.py plain``) in a process of its own: the
-    prompts in ``directory``/prompts.json, its output in plain.json, its log in plain.log."""
+def start_plain(model_dir: Path, directory: Path, spec: dict, max_num_seqs: int = 8,
+                args: Sequence[str] = (), *, device: str = "cpu",
+                env: dict[str, str] | None = None) -> AfdProc:  # fmt: skip
+    """Plain vLLM on ``spec``'s prompts (``afd_proc.py plain``, with ``args``) in a process of
+    its own: the prompts in ``directory``/prompts.json, its output in plain.json, its log in
+    plain.log; ``device`` and ``env`` as for AfdProc (a GPU test: "cuda", its GPU)."""
     prompts = write_prompts(directory, spec)
     return AfdProc("plain", model_dir, directory / "plain.log",
                    ["--prompts", str(prompts), "--out", str(directory / "plain.json"),
-                    "--max-num-seqs", str(max_num_seqs)])  # fmt: skip
+                    "--max-num-seqs", str(max_num_seqs), *args],
+                   env=env, device=device)  # fmt: skip
