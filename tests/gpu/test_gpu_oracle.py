@@ -80,9 +80,9 @@ RUNNER = "v1" if HAS_V1_RUNNER else "v2"
 # (connector, FFN GPU, mode, model runner)
 CASES = [
     ("gloo", 0, "eager", None),
-    ("cuda_ipc", 0, "eager", RUNNER),
+    ("cuda_ipc", 0, "eager", "v1"),
     ("cuda_ipc", 0, "eager", "v2"),
-    ("cuda_ipc", 0, "graphs", RUNNER),
+    ("cuda_ipc", 0, "graphs", "v1"),
     ("cuda_ipc", 0, "graphs", "v2"),
 ]
 if torch.cuda.device_count() >= 2:
