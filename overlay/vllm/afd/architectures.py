@@ -94,7 +94,7 @@ FAMILIES: tuple[Family, ...] = (
         ("DeepseekV2MoE", "DeepseekV2MLP"),
         cpu_oracle=("test_oracle_1a1f[deepseek_v2]", "test_oracle_gate_on_attention[deepseek_v2]"),
         gpu_oracle=("test_gpu_oracle_1a1f[deepseek_v2_mla]",),
-        gpu_lines=("0.26.0",),
+        gpu_lines=("0.26.0", "0.34.0"),
         cpu_note="without MLA (the CPU backend has none); MLA on the GPU",
     ),
     Family(
