@@ -184,6 +184,7 @@ def test_gpu_ipc_ffn_restart_loses_no_request(tmp_path):
         for i, s in enumerate(streams):
             assert s.result["finish_reason"] == "length" and s.result["done"], (i, s.result)
             assert len(s.ids) == len(s.top) == MAX_TOKENS, (i, len(s.ids), len(s.top))
+            assert min(len(top) for top in s.top) >= 5, (i, s.top[:2])  # top-5 to compare
         divs, worst, equal = oracle_lib.near_tie_divergences(plain, _as_outputs(streams),
                                                              TIE_TOL, LOGPROB_TOL)  # fmt: skip
         for i, pos, gap in divs:
