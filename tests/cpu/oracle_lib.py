@@ -94,11 +94,13 @@ def mixed_length_prompts(vocab: int = 600, first: int = 5, max_tokens: int = 32)
 
 def near_tie_divergences(plain: dict, got: dict, tie_tol: float, tol: float):
     """Greedy tokens of ``got`` equal plain vLLM's, or else each prompt's first divergence
-    is a near-tie of plain's own top two: ``got`` took plain's second-best token, and
-    plain's best minus second-best logprob is below ``tie_tol``. Up to there, every top-k
-    token present in both has logprobs within ``tol``; after it the contexts differ and
-    the prompt's comparison stops. Returns (divergences as (prompt, position, gap),
-    largest logprob difference, tokens equal before the first divergences)."""
+    is a near-tie in plain's own distribution: ``got`` took a token of plain's top-k whose
+    logprob is less than ``tie_tol`` below plain's best (a bf16 ulp elsewhere could have
+    made plain take it; with flat distributions three or more tokens can be that close).
+    Up to there, every top-k token present in both has logprobs within ``tol``; after it
+    the contexts differ and the prompt's comparison stops. Returns (divergences as
+    (prompt, position, gap of the taken token to plain's best), largest logprob
+    difference, tokens equal before the first divergences)."""
     assert len(plain["outputs"]) == len(got["outputs"])
     divergences, worst, equal = [], 0.0, 0
     for i, (a, b) in enumerate(zip(plain["outputs"], got["outputs"])):
@@ -108,15 +110,14 @@ def near_tie_divergences(plain: dict, got: dict, tie_tol: float, tol: float):
             if ta != tb:
                 # plain's own token first among equal logprobs (a bf16 tie is exact)
                 ranked = sorted(la.items(), key=lambda kv: (-kv[1], kv[0] != str(ta)))
-                assert len(ranked) >= 2 and ranked[0][0] == str(ta), \
+                assert ranked[0][0] == str(ta), \
                     f"prompt {i} pos {pos}: plain's token {ta} is not its top-1 {ranked[:2]}"
-                gap = ranked[0][1] - ranked[1][1]
-                assert ranked[1][0] == str(tb), (
-                    f"prompt {i} pos {pos}: took {tb}, not plain's top-2 {ranked[1][0]} "
-                    f"(plain's top-5 {ranked})")
+                assert str(tb) in la, (
+                    f"prompt {i} pos {pos}: took {tb}, not in plain's top-{len(la)} {ranked}")
+                gap = ranked[0][1] - la[str(tb)]
                 assert gap < tie_tol, (
-                    f"prompt {i} pos {pos}: took plain's top-2, but plain's top two are "
-                    f"{gap:.4f} apart (>= {tie_tol}): not a near-tie")
+                    f"prompt {i} pos {pos}: took {tb}, {gap:.4f} below plain's best "
+                    f"(>= {tie_tol}): not a near-tie (plain's top-k {ranked})")
                 divergences.append((i, pos, gap))
                 break
             equal += 1

@@ -17,12 +17,14 @@ The reference runs offline with all 16 prompts at once, the served streams arriv
 milliseconds apart, so the two batch their prefills differently; in bf16 a different batch
 may move a logit by an ulp, and this random-weight model's next-token distributions are
 flat. As in test_gpu_oracle.py's DBO case, a stream may therefore leave plain vLLM's tokens
-only at a near-tie of plain's own top two (reported), after which its context differs;
+only at a near-tie in plain's own distribution (a token of plain's top-5 less than 0.1
+below its best; reported), after which its context differs;
 a pass computed with a lost FFN rank gives tokens far from plain's, which fails. The line
 ``RESTART ...`` gives the outage to resume times.
 
 Server logs: the test's tmp dir (run_gpu.sh tars ``--basetemp``): plain/plain.log,
-attention.log, ffn1.log (killed), ffn2.log (restarted).
+attention.log, ffn1.log (killed), ffn2.log (restarted); the streams' tokens and top-5
+logprobs in served.json beside plain/plain.json.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ REJOIN_TIMEOUT_S = 240.0  # an FFN server start on a GPU takes 40-90 s
 DOWN_S = 2.0  # the FFN server is started again this long after it is gone
 START_TIMEOUT_S = 240.0
 STREAM_IDLE_S = 300.0  # a client waits this long for a chunk (the outage is silent)
-TIE_TOL = 0.1  # plain's top-1 minus top-2 logprob at a divergence (test_gpu_oracle QLORA_*)
+TIE_TOL = 0.1  # plain's best minus the taken token's logprob at a divergence (as QLORA_*)
 LOGPROB_TOL = 0.1  # |logprob diff| of every shared top-5 token before a divergence
 
 
@@ -185,12 +187,13 @@ def test_gpu_ipc_ffn_restart_loses_no_request(tmp_path):
             assert s.result["finish_reason"] == "length" and s.result["done"], (i, s.result)
             assert len(s.ids) == len(s.top) == MAX_TOKENS, (i, len(s.ids), len(s.top))
             assert min(len(top) for top in s.top) >= 5, (i, s.top[:2])  # top-5 to compare
-        divs, worst, equal = oracle_lib.near_tie_divergences(plain, _as_outputs(streams),
-                                                             TIE_TOL, LOGPROB_TOL)  # fmt: skip
+        served = _as_outputs(streams)  # kept beside plain/plain.json for a second look
+        (tmp_path / "served.json").write_text(json.dumps(served))
+        divs, worst, equal = oracle_lib.near_tie_divergences(plain, served, TIE_TOL, LOGPROB_TOL)
         for i, pos, gap in divs:
             print(
-                f"RESTART divergence: stream {i} at generated token {pos}, plain's top-1 "
-                f"minus top-2 logprob {gap:.4f} (< {TIE_TOL})"
+                f"RESTART divergence: stream {i} at generated token {pos}, plain's best "
+                f"minus the taken token's logprob {gap:.4f} (< {TIE_TOL})"
             )
 
         # The attention rank held the loss, rejoined the new FFN process, mapped its buffers

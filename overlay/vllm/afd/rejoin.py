@@ -20,7 +20,7 @@ loss to come back; after that the step fails with the loss's error, as without
 rejoin. A micro-batched (DBO) step, a connector without ``can_rejoin``
 (``nccl``; ``cuda_ipc`` by default) and ``rejoin_timeout_s`` 0 keep the
 fail-fast path. On ``cuda_ipc`` with ``connector_extra_config.ipc_rejoin``
-(opt-in, not proven on a GPU yet) the whole forward re-runs: ``run_forward``,
+(opt-in; docs/connectors.md says what the H200 proved) the whole forward re-runs: ``run_forward``,
 which the model runners' forward calls reach through ``guard`` (the in-tree
 hook calls ``vllm.afd.attention.guard_forward``).
 """

@@ -45,8 +45,8 @@ and ends the process (its GPU stream may be stuck behind a wait, and the
 step's output must not reach a client). The TCP socket keeps carrying
 heartbeats, goodbye and profiler requests.
 
-Rejoin (opt-in, ``connector_extra_config.ipc_rejoin``, not proven on a GPU
-yet; docs/connectors.md): the attention side's graphs then reach the FFN rank's
+Rejoin (opt-in, ``connector_extra_config.ipc_rejoin``; docs/connectors.md says
+what one H200 proved): the attention side's graphs then reach the FFN rank's
 buffers only through a small device-side pointer table of the attention side's
 (``ipc_kernels.*_via``), which a re-handshake with a restarted FFN rank
 rewrites; everything else they touch is the attention side's own and never
