@@ -19,11 +19,9 @@ else
   echo "install took $(( $(date +%s) - t0 )) s; bundle $(du -cb "$B"/part-* | tail -1 | cut -f1) bytes" \
     | tee -a "$OUT/install.log"
 fi
-export PYTHONPATH=$SITE
-# pip --target does not run the .pth files it installs (site-packages does): add the folders they
-# put on sys.path (e.g. the CuTe DSL's nvidia_cutlass_dsl/dsl_packages, where `cutlass` lives).
-pth=$(python3 -c "import sys, site; b = list(sys.path); site.addsitedir('$SITE'); print(':'.join(p for p in sys.path if p not in b and p != '$SITE'))")
-[ -n "$pth" ] && export PYTHONPATH=$SITE:$pth
+# PYTHONPATH: the bundle's folder and the folders of its .pth files (install.sh wrote them)
+# shellcheck disable=SC1091
+source "$SITE/afd-env.sh"
 # A bundle that carries its own torch (a line whose torch differs from the host's, e.g. vLLM
 # 0.34.0: targets/X/gpu_host_deps.txt) brings the NCCL that torch needs and uses the host's
 # other CUDA libraries: the bundle's NCCL first, then the host's nvidia/*/lib folders.

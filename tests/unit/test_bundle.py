@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -87,6 +88,47 @@ def test_bundle_and_install_sh(tmp_path):
         ["bash", str(out / "install.sh"), str(tmp_path / "site")], capture_output=True, text=True
     )
     assert proc.returncode != 0 and not (tmp_path / "site").exists()
+
+
+def _wheel_with_pth(path: Path) -> None:
+    """An installable wheel whose module ``hidden`` is reachable only through its .pth file,
+    as the CuTe DSL's ``cutlass`` is (nvidia_cutlass_dsl_packages.pth)."""
+    di = "vllm-0.26.0+afd.x.dist-info"
+    files = {
+        "hidden_root/__init__.py": "",
+        "hidden_root/inner/hidden.py": "VALUE = 42\n",
+        "hidden_root.pth": "import sys, os, hidden_root; "
+        "sys.path.insert(0, os.path.join(hidden_root.__path__[0], 'inner'))\n",
+        f"{di}/METADATA": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0+afd.x\n",
+        f"{di}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: cp38-abi3-manylinux_2_28_x86_64\n",
+    }
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"{di}/RECORD", "".join(f"{n},,\n" for n in files) + f"{di}/RECORD,,\n")
+
+
+def test_install_sh_puts_the_folders_of_pth_files_on_pythonpath(tmp_path):
+    """pip --target does not run .pth files: install.sh's afd-env.sh adds their folders
+    (on the H200, vLLM 0.34.0 ended on "No module named 'cutlass'" without them)."""
+    whl = tmp_path / "vllm-0.26.0+afd.x-cp38-abi3-manylinux_2_28_x86_64.whl"
+    _wheel_with_pth(whl)
+    out = tmp_path / "bundle"
+    B.make_bundle(whl, out, python="3.12", hopper_only=False, deps=None)
+    site = tmp_path / "site"
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": ""}
+    proc = subprocess.run(["bash", str(out / "install.sh"), str(site)], capture_output=True,
+                          text=True, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"source {site}/afd-env.sh" in proc.stdout
+    probe = [sys.executable, "-c", "import hidden; print(hidden.VALUE)"]
+    bare = subprocess.run(probe, capture_output=True, text=True, env={**env, "PYTHONPATH": str(site)})
+    assert bare.returncode != 0 and "No module named 'hidden'" in bare.stderr
+    sourced = subprocess.run(["bash", "-c", f'source "{site}/afd-env.sh" && "$@"', "-", *probe],
+                             capture_output=True, text=True, env=env)  # fmt: skip
+    assert sourced.returncode == 0 and sourced.stdout.strip() == "42", sourced.stderr
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" in (site / "afd-env.sh").read_text()
 
 
 def test_host_freeze_filter(tmp_path):
