@@ -557,11 +557,13 @@ class TCPAttentionConnector(AttentionConnector):
             raise
 
     def _note_lost(self, why: str) -> None:
+        # lost_at first: a reader that sees is_up() False then finds when (the rejoin
+        # window counts from it; another thread may read the two in between)
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
         if self._dead is None:
             self._dead = why
             logger.error("AFD: %s", why)
-        if self._lost_at is None:
-            self._lost_at = time.monotonic()
 
     def _fail(self, e: BaseException, what: str) -> None:
         if self._dead is None:
