@@ -72,13 +72,16 @@ def test_ffn_serving_other_ffn_weights_is_refused(model_dir, tmp_path, procs):
     procs.append(ffn)
     attn = None
     try:
-        ready = ffn.wait_for_log("AFD-FFN-READY", START_TIMEOUT_S)
-        assert ready is not None, ffn.tail()
+        # Both start at once (engine start-up is mostly one thread each): the attention
+        # rank retries its connect until the FFN rank listens (timeout_s 120), so its
+        # hello reaches the FFN as it would once the FFN is ready.
         attn = su.Server.start(
             "attention", model_dir, api_port, attn_log,
             afd_config=su.afd_config("attention", port=afd_port, timeout_s=120),
             env={"VLLM_AFD_SECRET": ""},
         )  # fmt: skip
+        ready = ffn.wait_for_log("AFD-FFN-READY", START_TIMEOUT_S)
+        assert ready is not None, ffn.tail()
         took = wait_exit_or_healthy(attn, START_TIMEOUT_S)
         assert attn.proc.poll() is not None, (
             f"the attention server came up serving other FFN weights: {attn.log_tail()}"
