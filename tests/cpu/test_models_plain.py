@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
@@ -48,18 +49,26 @@ print("AFD_RESULT " + json.dumps(result), flush=True)
 """
 
 
-def run_vllm(model: str, prompt_ids: list[list[int]], env: dict[str, str]) -> dict:
+def start_vllm(model: str, prompt_ids: list[list[int]], env: dict[str, str],
+               log: Path) -> subprocess.Popen:
+    """VLLM_HELPER in a process of its own, its stdout and stderr in ``log``; it runs
+    while this process decodes with HF (engine start-up is mostly one thread)."""
     arg = json.dumps({"model": model, "prompt_token_ids": prompt_ids, "max_tokens": MAX_TOKENS})
-    proc = subprocess.run(
-        [sys.executable, "-c", VLLM_HELPER, arg],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("AFD_RESULT ")]
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-c", VLLM_HELPER, arg], env=env, stdout=f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def vllm_result(proc: subprocess.Popen, log: Path) -> dict:
+    try:
+        proc.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out = log.read_text(errors="replace")
+    lines = [ln for ln in out.splitlines() if ln.startswith("AFD_RESULT ")]
     if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        tail = "\n".join(out.splitlines()[-40:])
         pytest.fail(f"vLLM run failed (rc={proc.returncode}):\n{tail}", pytrace=False)
     return json.loads(lines[-1][len("AFD_RESULT ") :])
 
@@ -88,7 +97,7 @@ def test_installed_vllm_is_the_afd_cpu_build():
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_plain_vllm_matches_hf_greedy(name, models_dir, vllm_cpu_env):
+def test_plain_vllm_matches_hf_greedy(name, models_dir, vllm_cpu_env, tmp_path):
     from transformers import AutoTokenizer
 
     model_dir = models_dir / name
@@ -97,8 +106,15 @@ def test_plain_vllm_matches_hf_greedy(name, models_dir, vllm_cpu_env):
     prompt_ids = [tok(p).input_ids for p in PROMPTS]
     assert all(ids[0] == tok.bos_token_id for ids in prompt_ids)
 
-    expected = hf_greedy(str(model_dir), prompt_ids)
-    got = run_vllm(str(model_dir), prompt_ids, {**vllm_cpu_env, **MODELS[name]})
+    log = tmp_path / "vllm.log"
+    proc = start_vllm(str(model_dir), prompt_ids, {**vllm_cpu_env, **MODELS[name]}, log)
+    try:
+        expected = hf_greedy(str(model_dir), prompt_ids)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    got = vllm_result(proc, log)
 
     assert got["platform"] == "cpu"
     assert all(len(t) == MAX_TOKENS for t in got["tokens"])
