@@ -156,6 +156,16 @@ def ffn_stopped_counts(ffn: AfdProc) -> dict[str, int]:
     return {k: int(v) for k, v in (f.split("=") for f in stopped[0].split()[1:])}
 
 
+def wait_for(pred, timeout: float, what: str, poll: float = 0.2):
+    """``pred()``'s first truthy value, polled every ``poll`` s; fails the test when
+    ``what`` is not reached within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (got := pred()):
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(poll)
+    return got
+
+
 def wait_healthy(servers: list[su.Server], timeout: float) -> dict[str, float]:
     """serve_util.wait_all_healthy; a server that exits or is not healthy in time fails the
     test with the first traceback of every server's log (the root cause sits far above

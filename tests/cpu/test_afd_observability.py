@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import wait_healthy
+from harness import wait_for, wait_healthy
 
 import serve_util as su
 
@@ -76,16 +76,6 @@ def afd_excerpt(server: su.Server) -> str:
     _, text = su.http_get(f"{server.url}/metrics", timeout=10)
     return "\n".join(ln for ln in text.splitlines()
                      if "afd_" in ln and "_bucket{" not in ln)
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.25)
 
 
 A = 'afd_rank="0",role="attention"'

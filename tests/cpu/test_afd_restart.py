@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import start_plain, wait_healthy
+from harness import start_plain, wait_for, wait_healthy
 
 import serve_util as su
 
@@ -171,14 +171,6 @@ def scrape(srv: su.Server) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name.split("{", 1)[0]] = float(value)
     return out
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (got := pred()):
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.2)
-    return got
 
 
 def stop_ffn(pair: Pair, sig: int) -> None:

@@ -39,7 +39,7 @@ from pathlib import Path
 import oracle_lib
 import pytest
 import torch
-from harness import TokenStream, start_plain, wait_healthy
+from harness import TokenStream, start_plain, wait_for, wait_healthy
 
 import serve_util as su
 
@@ -124,14 +124,6 @@ class Pair:
         assert not any(left.values()), f"processes left after stop: {left}"
 
 
-def _wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (got := pred()):
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.05)
-    return got
-
-
 def _log(srv: su.Server) -> str:
     return srv.log_path.read_text(errors="replace")
 
@@ -158,13 +150,13 @@ def test_gpu_ipc_ffn_restart_loses_no_request(tmp_path):
         print(f"AFD pair healthy: {wait_healthy([attn, ffn], START_TIMEOUT_S)}")
 
         streams = [TokenStream(attn, p, MAX_TOKENS, STREAM_IDLE_S, logprobs=5) for p in PROMPTS]
-        _wait_for(lambda: all(s.ids for s in streams), 120, "a token on every stream")
+        wait_for(lambda: all(s.ids for s in streams), 120, "a token on every stream")
         in_flight = sum(len(s.ids) < MAX_TOKENS for s in streams)
         t_kill = time.monotonic()
         ffn.kill()  # SIGKILL to the whole FFN server (API server, engine core, worker)
         t_gone = time.monotonic()
         assert in_flight == N_STREAMS, f"only {in_flight} streams were running at the kill"
-        _wait_for(lambda: su.port_bindable(pair.afd_port) and su.port_bindable(pair.api_ffn),
+        wait_for(lambda: su.port_bindable(pair.afd_port) and su.port_bindable(pair.api_ffn),
                   30, "the FFN server's ports free")  # fmt: skip
         assert attn.alive(), "the attention server ended with its FFN rank:\n" + attn.log_tail()
         assert any(len(s.ids) < MAX_TOKENS for s in streams), "every stream ended meanwhile"
