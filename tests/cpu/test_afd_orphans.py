@@ -38,6 +38,11 @@ BOUND_S = AFD_TIMEOUT_S + 5  # a lost peer must be acted on within timeout_s + 5
 ORPHAN_EXIT_S = 5.0  # the children of a dead API server must be gone within this
 START_TIMEOUT_S = 300.0
 MP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_AFD_SECRET": ""}
+# The in-flight stream must outlast the killed server's children (up to ORPHAN_EXIT_S): at
+# 480 tokens it once ended (about 200 tokens/s on this tiny model) before the FFN worker did
+# (2.6 s after the kill), and nothing failed. 2,000 tokens last about 10 s.
+STREAM_TOKENS = 2000
+LONG_ARGS = ["--max-model-len", "2048"]  # the checkpoint's max_position_embeddings
 
 
 class Pair:
@@ -53,7 +58,7 @@ class Pair:
         n = len(self.started) + 1
         srv = su.Server.start(
             role, self.model_dir, self.api_attn if role == "attention" else self.api_ffn,
-            self.log_dir / f"{n:02d}_{role}.log", env=MP_ENV,
+            self.log_dir / f"{n:02d}_{role}.log", env=MP_ENV, extra_args=LONG_ARGS,
             # rejoin_timeout_s 0: the attention server ends at once when its FFN is gone
             # (waiting for it is tests/cpu/test_afd_restart.py)
             afd_config=su.afd_config(role, self.afd_port, timeout_s=AFD_TIMEOUT_S,
@@ -80,7 +85,8 @@ class Stream:
 
     def _run(self, srv: su.Server) -> None:
         self.result = su.stream_completion(
-            srv.url, "Once upon a time", max_tokens=480, temperature=0.0, ignore_eos=True,
+            srv.url, "Once upon a time", max_tokens=STREAM_TOKENS, temperature=0.0,
+            ignore_eos=True,
             timeout=120, on_chunk=lambda chunk: self.started.set(),
         )  # fmt: skip
 
@@ -145,7 +151,8 @@ def test_children_of_a_killed_api_server_end(model_dir, tmp_path):
         # ... and the attention server fails as for a killed FFN server
         stream.thread.join(BOUND_S)
         assert stream.result is not None, "the in-flight stream still runs"
-        assert stream.result["error"] and stream.result["finish_reason"] != "length"
+        assert stream.result["error"] and stream.result["finish_reason"] != "length", (
+            f"the in-flight stream did not fail: {stream.result}")
         try:
             status, body = attn.completion("Hello", max_tokens=4, timeout=BOUND_S)
             outcome = f"HTTP {status}: {su.error_message(body)[:200]}"
