@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from oracle_lib import write_prompts
+from oracle_lib import PROMPTS, write_prompts
 
 import serve_util as su
 
@@ -137,6 +137,19 @@ class AfdProc:
         return self.p.poll() is not None and not su.group_members(self.pid)
 
 
+def module_log_dir(name: str):
+    """A module-scoped ``log_dir`` fixture: a new folder ``name`` for the servers' logs of
+    one test module, its path printed (``log_dir = module_log_dir("afd_restart_logs")``)."""
+
+    @pytest.fixture(scope="module")
+    def log_dir(tmp_path_factory) -> Path:
+        path = tmp_path_factory.mktemp(name)
+        print(f"server logs: {path}")
+        return path
+
+    return log_dir
+
+
 @pytest.fixture
 def procs():
     """The AfdProcs a test starts (append each): all are stopped at the end (SIGTERM, one
@@ -166,6 +179,20 @@ def wait_for(pred, timeout: float, what: str, poll: float = 0.2):
     return got
 
 
+def wait_log(srv: su.Server, text: str, timeout: float, count: int = 1) -> str:
+    """The ``count``-th log line of ``srv`` holding ``text`` (fails after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [ln for ln in srv.log_path.read_text(errors="replace").splitlines()
+                 if text in ln]  # fmt: skip
+        if len(lines) >= count:
+            return lines[count - 1]
+        srv.check_alive()
+        assert time.monotonic() < deadline, (
+            f"{srv.name}: no {text!r} in {timeout} s:\n{srv.log_tail()}")
+        time.sleep(0.1)
+
+
 def wait_healthy(servers: list[su.Server], timeout: float) -> dict[str, float]:
     """serve_util.wait_all_healthy; a server that exits or is not healthy in time fails the
     test with the first traceback of every server's log (the root cause sits far above
@@ -183,7 +210,7 @@ class TokenStream(threading.Thread):
     token ids in the chunks), started at once; ``ids``: the token ids of its chunks, in
     order; ``top``: per token its ``logprobs`` most likely tokens as {token id (str):
     logprob}, afd_proc.py's form; ``times``: when each chunk with tokens arrived
-    (time.monotonic); ``result``: su.stream_completion's once it ended."""
+    (time.monotonic); ``result``: su.stream_completion's once it ended, at ``ended_at``."""
 
     PARAMS = {"temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True,
               "logprobs": 1}  # fmt: skip
@@ -197,6 +224,7 @@ class TokenStream(threading.Thread):
         self.top: list[dict[str, float]] = []
         self.times: list[float] = []
         self.result: dict | None = None
+        self.ended_at: float | None = None
         self.start()
 
     def run(self):
@@ -213,14 +241,29 @@ class TokenStream(threading.Thread):
         self.result = su.stream_completion(self.srv.url, self.prompt,
                                            max_tokens=self.max_tokens, timeout=self.timeout,
                                            on_chunk=on_chunk, **self.params)  # fmt: skip
+        self.ended_at = time.monotonic()
 
 
-def start_plain(model_dir: Path, directory: Path, spec: dict, max_num_seqs: int = 8,
+def join_streams(streams: Sequence[TokenStream], timeout: float) -> list[TokenStream]:
+    """Waits up to ``timeout`` s in all for ``streams`` to end; those still running."""
+    deadline = time.monotonic() + timeout
+    for s in streams:
+        s.join(max(0.0, deadline - time.monotonic()))
+    return [s for s in streams if s.is_alive()]
+
+
+def first_token_after(streams: Sequence[TokenStream], t: float) -> float | None:
+    """When the first chunk with tokens after ``t`` (time.monotonic) arrived, on any stream."""
+    return min((x for s in streams for x in s.times if x > t), default=None)
+
+
+def start_plain(model_dir: Path, directory: Path, spec: dict = PROMPTS, max_num_seqs: int = 8,
                 args: Sequence[str] = (), *, device: str = "cpu",
                 env: dict[str, str] | None = None) -> AfdProc:  # fmt: skip
-    """Plain vLLM on ``spec``'s prompts (``afd_proc.py plain``, with ``args``) in a process of
-    its own: the prompts in ``directory``/prompts.json, its output in plain.json, its log in
-    plain.log; ``device`` and ``env`` as for AfdProc (a GPU test: "cuda", its GPU)."""
+    """Plain vLLM on ``spec``'s prompts (oracle_lib.PROMPTS by default; ``afd_proc.py
+    plain``, with ``args``) in a process of its own: the prompts in ``directory``/prompts.json,
+    its output in plain.json, its log in plain.log; ``device`` and ``env`` as for AfdProc (a
+    GPU test: "cuda", its GPU)."""
     prompts = write_prompts(directory, spec)
     return AfdProc("plain", model_dir, directory / "plain.log",
                    ["--prompts", str(prompts), "--out", str(directory / "plain.json"),

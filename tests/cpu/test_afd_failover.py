@@ -19,7 +19,17 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import AfdProc, TokenStream, free_afd_port, start_plain, wait_healthy
+from harness import (
+    AfdProc,
+    TokenStream,
+    free_afd_port,
+    join_streams,
+    module_log_dir,
+    start_plain,
+    wait_for,
+    wait_healthy,
+    wait_log,
+)
 
 import serve_util as su
 
@@ -33,11 +43,7 @@ PROMPTS = [f"Story number {i}: once upon a time" for i in range(4)]
 STREAM_TOKENS = 64
 
 
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("afd_failover_logs")
-    print(f"server logs: {path}")
-    return path
+log_dir = module_log_dir("afd_failover_logs")
 
 
 def plain_reference(model_dir: Path, log_dir: Path) -> AfdProc:
@@ -45,38 +51,20 @@ def plain_reference(model_dir: Path, log_dir: Path) -> AfdProc:
                        {"prompts": PROMPTS, "max_tokens": [STREAM_TOKENS] * len(PROMPTS)})
 
 
-
-
 def streams_on(servers: list[su.Server]) -> list[TokenStream]:
     streams = [TokenStream(srv, p, STREAM_TOKENS) for srv in servers for p in PROMPTS]
-    deadline = time.monotonic() + 120
-    while not all(s.ids for s in streams):
-        assert time.monotonic() < deadline, "the streams did not start"
-        time.sleep(0.05)
+    wait_for(lambda: all(s.ids for s in streams), 120, "a token on every stream", poll=0.05)
     return streams
 
 
 def assert_complete(streams: list[TokenStream], want: list[list[int]]) -> None:
     """No stream failed; each has plain vLLM's greedy tokens."""
+    running = join_streams(streams, 240)
+    assert not running, [(s.srv.name, s.prompt) for s in running]
     for s in streams:
-        s.join(240)
-        assert not s.is_alive() and s.result is not None, (s.srv.name, s.prompt)
         assert s.result["error"] is None and s.result["done"], (s.srv.name, s.result)
         assert s.result["finish_reason"] == "length", (s.srv.name, s.result)
         assert s.ids == want[PROMPTS.index(s.prompt)], f"{s.srv.name} {s.prompt!r}: tokens"
-
-
-def wait_log(srv: su.Server, text: str, timeout: float, count: int = 1) -> str:
-    """The ``count``-th log line of ``srv`` holding ``text`` (fails after ``timeout``)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = [ln for ln in srv.log_path.read_text(errors="replace").splitlines()
-                 if text in ln]  # fmt: skip
-        if len(lines) >= count:
-            return lines[count - 1]
-        srv.check_alive()
-        assert time.monotonic() < deadline, f"{srv.name}: no {text!r} in {timeout} s"
-        time.sleep(0.1)
 
 
 def steps_served(srv: su.Server) -> float:

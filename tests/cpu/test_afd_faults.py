@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import AfdProc, wait_healthy
+from harness import AfdProc, TokenStream, join_streams, module_log_dir, wait_for, wait_healthy
 
 import serve_util as su
 
@@ -176,11 +176,7 @@ class Deployment:
         assert not busy, f"ports still taken: {busy}"
 
 
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("afd_faults_logs")
-    print(f"server logs: {path}")
-    return path
+log_dir = module_log_dir("afd_faults_logs")
 
 
 @pytest.fixture(scope="module")
@@ -197,52 +193,19 @@ def deploy(model_dir, log_dir):
 
 
 # ---------------------------------------------------------------------------- helpers
-class Streams:
-    """``n`` concurrent streaming completions; ``started`` is set once every stream has
-    had a chunk."""
+def stories(srv: su.Server, n: int, max_tokens: int) -> list[TokenStream]:
+    """``n`` concurrent greedy streams of ``max_tokens`` tokens, each with a token already."""
+    streams = [TokenStream(srv, f"Story number {i}: once upon a time", max_tokens, timeout=120)
+               for i in range(n)]  # fmt: skip
+    wait_for(lambda: all(s.ids for s in streams), 120, "a token on every stream")
+    return streams
 
-    def __init__(self, srv: su.Server, n: int, max_tokens: int, timeout: float = 120.0):
-        self.results: list[dict | None] = [None] * n
-        self.ended_at: list[float | None] = [None] * n
-        self.chunks = [0] * n
-        self.started = threading.Event()
-        self._lock = threading.Lock()
-        self.threads = [
-            threading.Thread(target=self._one, args=(srv, i, max_tokens, timeout), daemon=True)
-            for i in range(n)
-        ]
-        for t in self.threads:
-            t.start()
 
-    def _one(self, srv, i, max_tokens, timeout):
-        def on_chunk(chunk):
-            with self._lock:
-                self.chunks[i] += 1
-                if all(self.chunks):
-                    self.started.set()
-
-        res = su.stream_completion(
-            srv.url, f"Story number {i}: once upon a time", max_tokens=max_tokens,
-            temperature=0.0, ignore_eos=True, timeout=timeout, on_chunk=on_chunk,
-        )  # fmt: skip
-        self.ended_at[i] = time.monotonic()
-        self.results[i] = res
-
-    def join(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self.threads)
-
-    def summary(self, t0: float) -> list[str]:
-        out = []
-        for res, end in zip(self.results, self.ended_at):
-            if res is None:
-                out.append("still running")
-            else:
-                out.append(f"{end - t0:+.2f}s chunks={res['chunks']} "
-                           f"finish={res['finish_reason']} error={res['error']!r}")  # fmt: skip
-        return out
+def summary(streams: list[TokenStream], t0: float) -> list[str]:
+    """Per stream: when it ended (relative to ``t0``), its chunks, finish reason and error."""
+    return [f"{s.ended_at - t0:+.2f}s chunks={s.result['chunks']} "
+            f"finish={s.result['finish_reason']} error={s.result['error']!r}"
+            if s.result else "still running" for s in streams]  # fmt: skip
 
 
 def log_text(srv: su.Server) -> str:
@@ -623,8 +586,7 @@ def test_attention_killed_ffn_serves_on_and_takes_the_restarted_one(deploy):
     both servers had to be restarted); the attention server restarted alone rejoins it."""
     attn, ffn = deploy.ensure(secret=None)
     want = check_completions(attn)
-    streams = Streams(attn, 2, max_tokens=480)
-    assert streams.started.wait(120), f"no tokens streamed: {streams.summary(time.monotonic())}"
+    streams = stories(attn, 2, max_tokens=480)
     accepted = log_text(ffn).count("accepted attention rank 0")
     t_kill = time.monotonic()
     attn.kill()  # SIGKILL to the whole process group: API server, engine core, worker
@@ -632,7 +594,7 @@ def test_attention_killed_ffn_serves_on_and_takes_the_restarted_one(deploy):
     lost = "lost attention rank 0 (lost AFD peer attention rank 0 at 127.0.0.1:"
     assert wait_until(lambda: lost in log_text(ffn), BOUND_S), su.log_tail(ffn.log_path)
     noticed = time.monotonic() - t_kill
-    assert streams.join(30), "streams of the killed server did not end"
+    assert not join_streams(streams, 30), "streams of the killed server did not end"
     line = next(ln for ln in log_text(ffn).splitlines() if lost in ln)
     print(f"FFN dropped attention rank 0 {noticed:.2f} s after the kill: {line.strip()}")
     assert ffn.alive() and ffn.healthy(), su.log_tail(ffn.log_path)
@@ -692,16 +654,15 @@ def test_fuzz_afd_port_with_secret_and_wrong_secret_refused(deploy, tmp_path, mo
 def test_ffn_killed_new_ffn_on_same_port_then_new_attention(deploy):
     attn, ffn = deploy.ensure(secret=deploy.secret)
     secret = deploy.secret
-    streams = Streams(attn, 2, max_tokens=480)
-    assert streams.started.wait(120), "no tokens streamed"
+    streams = stories(attn, 2, max_tokens=480)
     t_kill = time.monotonic()
     ffn.kill()
     assert ffn.gone()
     new_ffn = deploy.start("ffn", secret=secret)  # on the same AFD port, at once
-    assert streams.join(BOUND_S), f"streams still running: {streams.summary(t_kill)}"
-    ended = max(streams.ended_at) - t_kill
-    print(f"in-flight streams after the FFN kill: {streams.summary(t_kill)}")
-    for res in streams.results:
+    assert not join_streams(streams, BOUND_S), f"streams still running: {summary(streams, t_kill)}"
+    ended = max(s.ended_at for s in streams) - t_kill
+    print(f"in-flight streams after the FFN kill: {summary(streams, t_kill)}")
+    for res in (s.result for s in streams):
         assert res["error"] and res["finish_reason"] != "length", res
     # a new request fails at once (HTTP error) or is refused (the server is on its way out)
     t0 = time.monotonic()
@@ -755,17 +716,17 @@ def test_sigterm_attention_under_load_drains(deploy):
     # Long enough that none ends before the last one starts (160 tokens did not, once, on a
     # fast machine: one stream had all 160 before another had its first); the drain then
     # takes a few seconds more.
-    streams = Streams(attn, 8, max_tokens=480)
-    assert streams.started.wait(120), "not every stream got a token"
-    at_term = list(streams.chunks)
-    assert not any(streams.results), (
-        f"a stream finished before the SIGTERM: make them longer ({at_term} chunks)")
+    streams = stories(attn, 8, max_tokens=480)
+    at_term = [len(s.ids) for s in streams]
+    assert not any(s.result for s in streams), (
+        f"a stream finished before the SIGTERM: make them longer ({at_term} tokens)")
     t_term = time.monotonic()
     os.kill(attn.proc.pid, signal.SIGTERM)  # the API server process only
-    assert streams.join(DRAIN_S + 5), f"streams hang after SIGTERM: {streams.summary(t_term)}"
-    ended = max(streams.ended_at) - t_term
-    print(f"streams after SIGTERM (chunks at SIGTERM {at_term}): {streams.summary(t_term)}")
-    for res in streams.results:
+    assert not join_streams(streams, DRAIN_S + 5), (
+        f"streams hang after SIGTERM: {summary(streams, t_term)}")
+    ended = max(s.ended_at for s in streams) - t_term
+    print(f"streams after SIGTERM (tokens at SIGTERM {at_term}): {summary(streams, t_term)}")
+    for res in (s.result for s in streams):
         assert res["error"] is None and res["finish_reason"] == "length" and res["done"], res
     exited = su.wait_for_exit(attn.proc, DRAIN_S + 15)
     assert exited is not None, "attention API server did not exit after SIGTERM"
@@ -796,14 +757,13 @@ def test_sigterm_attention_under_load_drains(deploy):
 
 def test_sigterm_ffn_under_load(deploy):
     attn, ffn = deploy.ensure(secret=deploy.secret)
-    streams = Streams(attn, 8, max_tokens=480)
-    assert streams.started.wait(120), "not every stream got a token"
+    streams = stories(attn, 8, max_tokens=480)
     t_term = time.monotonic()
     os.kill(ffn.proc.pid, signal.SIGTERM)  # the FFN API server process only
-    assert streams.join(BOUND_S), f"streams still running: {streams.summary(t_term)}"
-    ended = max(streams.ended_at) - t_term
-    print(f"streams after the FFN SIGTERM: {streams.summary(t_term)}")
-    for res in streams.results:
+    assert not join_streams(streams, BOUND_S), f"streams still running: {summary(streams, t_term)}"
+    ended = max(s.ended_at for s in streams) - t_term
+    print(f"streams after the FFN SIGTERM: {summary(streams, t_term)}")
+    for res in (s.result for s in streams):
         assert res["error"] and res["finish_reason"] != "length", res
     assert ended <= BOUND_S
     ffn_exit = su.wait_for_exit(ffn.proc, BOUND_S)
@@ -821,7 +781,7 @@ def test_sigterm_ffn_under_load(deploy):
     print(f"attention log: {line.strip()[:260]}")
     deploy.assert_released([attn, ffn])
     FIGURES["sigterm_ffn: streams failed after"] = (
-        f"{ended:.2f} s with {streams.results[0]['error']!r}"
+        f"{ended:.2f} s with {streams[0].result['error']!r}"
     )
     FIGURES["sigterm_ffn: FFN exited after"] = f"{t_ffn:.2f} s rc={ffn.proc.returncode}"
     FIGURES["sigterm_ffn: attention exited after"] = f"{t_attn:.2f} s rc={attn.proc.returncode}"

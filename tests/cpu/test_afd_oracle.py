@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import pytest
 from harness import AfdProc, afd_json, cpu_shm_files, ffn_stopped_counts
 from harness import free_afd_port as free_port
@@ -35,15 +36,11 @@ _PLAIN_CACHE: dict[str, dict] = {}
 
 
 def start_plain(model: Path, tmp_path: Path, engine_args: tuple[str, ...] = ()):
-    """A plain vLLM engine generating PROMPTS: (its AfdProc, its output file). Its prompts
-    file is its own (an AFD pair started beside it rewrites tmp_path/prompts.json)."""
-    out = tmp_path / f"plain_{model.name}.json"
+    """A plain vLLM engine generating PROMPTS: (its AfdProc, its output file), in a folder
+    of its own (an AFD pair started beside it rewrites tmp_path/prompts.json)."""
     own = tmp_path / f"plain_{model.name}"
     own.mkdir(exist_ok=True)
-    p = AfdProc("plain", model, tmp_path / f"plain_{model.name}.log",
-                ["--prompts", str(write_prompts(own)), "--out", str(out),
-                 "--max-num-seqs", "4", *engine_args])
-    return p, out
+    return harness.start_plain(model, own, max_num_seqs=4, args=engine_args), own / "plain.json"
 
 
 def plain_reference(model: Path, tmp_path: Path) -> dict:
@@ -421,9 +418,7 @@ def test_oracle_dbo_grouped_routing_q_lora(models_dir, tmp_path, procs):
     spec = mixed_length_prompts()
     for sub in ("plain", "dbo", "serial"):
         (tmp_path / sub).mkdir()
-    plain = AfdProc("plain", model, tmp_path / "plain.log",
-                    ["--prompts", str(write_prompts(tmp_path / "plain", spec)),
-                     "--out", str(tmp_path / "plain.json"), *QLORA_ENGINE])
+    plain = harness.start_plain(model, tmp_path / "plain", spec, max_num_seqs=12)
     procs.append(plain)
     port = free_port()
     ffn = AfdProc("ffn", model, tmp_path / "ffn.log", ["--afd", afd_json("ffn", port)])
@@ -440,7 +435,7 @@ def test_oracle_dbo_grouped_routing_q_lora(models_dir, tmp_path, procs):
 
     dbo = attention("dbo", QLORA_DBO)
     assert plain.wait(START_TIMEOUT) == 0, plain.tail()
-    ref = json.loads((tmp_path / "plain.json").read_text())
+    ref = json.loads((tmp_path / "plain" / "plain.json").read_text())
     dbo_text = (tmp_path / "attn_dbo.log").read_text()
     assert "DBO on, 2 micro-batches per step from 2 decode / 12 prefill tokens" in dbo_text
     worst_dbo = assert_outputs_match(ref, dbo, spec["max_tokens"], LOGPROB_TOL)

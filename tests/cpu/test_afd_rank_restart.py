@@ -17,7 +17,16 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import AfdProc, TokenStream, start_plain, wait_healthy
+from harness import (
+    AfdProc,
+    TokenStream,
+    join_streams,
+    module_log_dir,
+    start_plain,
+    wait_for,
+    wait_healthy,
+    wait_log,
+)
 
 import serve_util as su
 
@@ -37,11 +46,7 @@ PARAMS = {"temperature": 0.0, "logprobs": 5, "ignore_eos": True,
           "return_tokens_as_token_ids": True}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("afd_rank_restart_logs")
-    print(f"server logs: {path}")
-    return path
+log_dir = module_log_dir("afd_rank_restart_logs")
 
 
 def plain_reference(model_dir: Path, log_dir: Path) -> AfdProc:
@@ -64,16 +69,6 @@ def check(srv: su.Server, want: dict[str, dict]) -> None:
         top = [{k.split(":", 1)[1]: v for k, v in pos.items()} for pos in choice["top_logprobs"]]
         diff = su.max_logprob_diff(top, want[prompt]["logprobs"])
         assert diff <= LOGPROB_TOL, f"{srv.name} {prompt!r}: max |logprob diff| {diff:.3g}"
-
-
-def wait_log(srv: su.Server, text: str, count: int, timeout: float) -> float | None:
-    """Seconds until ``text`` is in ``srv``'s log ``count`` times; None after ``timeout``."""
-    t0 = time.monotonic()
-    while srv.log_path.read_text(errors="replace").count(text) < count:
-        if time.monotonic() - t0 > timeout:
-            return None
-        time.sleep(0.1)
-    return time.monotonic() - t0
 
 
 def test_attention_rank_killed_and_restarted_the_other_never_stops(model_dir, log_dir):
@@ -99,19 +94,16 @@ def test_attention_rank_killed_and_restarted_the_other_never_stops(model_dir, lo
         want = dict(zip(STREAM_PROMPTS + CHECK_PROMPTS, outputs))
         print(f"2A1F healthy: {wait_healthy([ffn, att0, att1], START_TIMEOUT_S)}")
         accepted = "accepted attention rank 1 from"
-        assert wait_log(ffn, accepted, 1, 5) is not None
+        wait_log(ffn, accepted, 5)
 
         # Both ranks stream (their steps share the FFN's passes); rank 1 dies mid-stream.
         streams0 = [TokenStream(att0, p, STREAM_TOKENS) for p in STREAM_PROMPTS]
         streams1 = [TokenStream(att1, p, STREAM_TOKENS) for p in STREAM_PROMPTS[:2]]
-        deadline = time.monotonic() + 120
-        while not all(s.ids for s in streams0 + streams1):
-            assert time.monotonic() < deadline, "the streams did not start"
-            time.sleep(0.05)
+        wait_for(lambda: all(s.ids for s in streams0 + streams1), 120, "a token on every stream",
+                 poll=0.05)  # fmt: skip
         t_kill = time.monotonic()
         att1.kill()
-        dropped = wait_log(ffn, "lost attention rank 1", 1, AFD_TIMEOUT_S)
-        assert dropped is not None, ffn.log_tail()
+        wait_log(ffn, "lost attention rank 1", AFD_TIMEOUT_S)
         print(f"FFN dropped attention rank 1 {time.monotonic() - t_kill:.2f} s after the kill")
 
         # Restart rank 1; rank 0 serves meanwhile and its streams go on.
@@ -125,22 +117,19 @@ def test_attention_rank_killed_and_restarted_the_other_never_stops(model_dir, lo
                 served += 1
                 next_check = time.monotonic() + CHECK_EVERY_S
             time.sleep(0.5)
-        rejoined = wait_log(ffn, accepted, 2, 5)
-        assert rejoined is not None, ffn.log_tail()
+        wait_log(ffn, accepted, 5, count=2)
         t_back = time.monotonic() - t_kill
         print(f"attention rank 1 re-accepted and healthy {t_back:.1f} s after the kill; rank 0 "
               f"answered {served} x {len(CHECK_PROMPTS)} requests meanwhile")  # fmt: skip
         check(att1, want)
         check(att0, want)
 
+        running = join_streams(streams0, 240)
+        assert not running, [s.prompt for s in running]
         for s in streams0:
-            s.join(240)
-            assert not s.is_alive() and s.result is not None, s.prompt
             assert s.result["error"] is None and s.result["done"], (s.prompt, s.result)
             assert s.ids == want[s.prompt]["token_ids"], f"rank 0 stream {s.prompt!r}"
-        for s in streams1:  # the killed server's streams ended (with an error)
-            s.join(30)
-            assert not s.is_alive()
+        assert not join_streams(streams1, 30)  # the killed server's streams ended (an error)
         assert served >= 1 and ffn.alive() and att0.alive()
     finally:
         su.stop_servers(servers)

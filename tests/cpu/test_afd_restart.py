@@ -20,12 +20,19 @@ import json
 import os
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from harness import start_plain, wait_for, wait_healthy
+from harness import (
+    TokenStream,
+    first_token_after,
+    join_streams,
+    module_log_dir,
+    start_plain,
+    wait_for,
+    wait_healthy,
+)
 
 import serve_util as su
 
@@ -44,11 +51,7 @@ STREAM_IDLE_S = 300.0  # a client waits this long for a chunk (the outage is sil
 FIGURES: dict[str, str] = {}
 
 
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("afd_restart_logs")
-    print(f"server logs: {path}")
-    return path
+log_dir = module_log_dir("afd_restart_logs")
 
 
 @pytest.fixture(scope="module")
@@ -115,53 +118,6 @@ def pair(model_dir, log_dir, reference):
             print(f"  {k}: {v}")
 
 
-class TokenStreams:
-    """N_STREAMS concurrent greedy streaming completions; per stream the token ids and the
-    arrival time of every chunk."""
-
-    def __init__(self, srv: su.Server):
-        self.tokens: list[list[int]] = [[] for _ in PROMPTS]
-        self.times: list[list[float]] = [[] for _ in PROMPTS]
-        self.results: list[dict | None] = [None] * N_STREAMS
-        self.started = threading.Event()
-        self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._one, args=(srv, i), daemon=True)
-                        for i in range(N_STREAMS)]  # fmt: skip
-        for t in self.threads:
-            t.start()
-
-    def _one(self, srv: su.Server, i: int) -> None:
-        def on_chunk(chunk: dict) -> None:
-            for choice in chunk.get("choices") or []:
-                toks = (choice.get("logprobs") or {}).get("tokens") or []
-                with self._lock:
-                    self.tokens[i] += su.token_ids(toks)
-                    self.times[i].append(time.monotonic())
-                    if all(self.times):
-                        self.started.set()
-
-        self.results[i] = su.stream_completion(
-            srv.url, PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-            logprobs=1, return_tokens_as_token_ids=True, timeout=STREAM_IDLE_S,
-            on_chunk=on_chunk,
-        )  # fmt: skip
-
-    def join(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return not any(t.is_alive() for t in self.threads)
-
-    def in_flight(self) -> int:
-        with self._lock:
-            return sum(1 for toks in self.tokens if len(toks) < MAX_TOKENS)
-
-    def first_chunk_after(self, t: float) -> float | None:
-        with self._lock:
-            later = [x for ts in self.times for x in ts if x > t]
-        return min(later) if later else None
-
-
 def scrape(srv: su.Server) -> dict[str, float]:
     status, text = su.http_get(f"{srv.url}/metrics", timeout=10)
     assert status == 200, text[:500]
@@ -204,14 +160,15 @@ def test_ffn_restart_loses_no_request(pair, reference, sig, down_s):
     before = scrape(attn)
     assert before["vllm:afd_peer_up"] == 1.0
     rejoins = before.get("vllm:afd_rejoins_total", 0.0)
-    streams = TokenStreams(attn)
-    assert streams.started.wait(120), "not every stream got a token"
-    in_flight = streams.in_flight()
+    streams = [TokenStream(attn, p, MAX_TOKENS, STREAM_IDLE_S) for p in PROMPTS]
+    wait_for(lambda: all(s.ids for s in streams), 120, "a token on every stream")
+    in_flight = sum(len(s.ids) < MAX_TOKENS for s in streams)
     t_stop = time.monotonic()
     stop_ffn(pair, sig)
     t_gone = time.monotonic()
     assert in_flight == N_STREAMS, f"only {in_flight} streams were running at the stop"
-    assert streams.in_flight(), "every stream ended while the FFN server stopped"
+    assert any(len(s.ids) < MAX_TOKENS for s in streams), \
+        "every stream ended while the FFN server stopped"
 
     # while the FFN server is down: the attention server is up, says so, and waits
     got = wait_for(lambda: (m := scrape(attn))["vllm:afd_peer_up"] == 0.0 and m, 30,
@@ -226,14 +183,14 @@ def test_ffn_restart_loses_no_request(pair, reference, sig, down_s):
 
     t_start = time.monotonic()
     ffn = pair.start_ffn()
-    assert streams.join(START_TIMEOUT_S), "streams still running after the FFN restart"
+    assert not join_streams(streams, START_TIMEOUT_S), "streams still running after the restart"
     wait_healthy([attn, ffn], START_TIMEOUT_S)
-    resumed = streams.first_chunk_after(t_start)
-    errors = [r["error"] for r in streams.results if r is None or r["error"]]
+    resumed = first_token_after(streams, t_start)
+    errors = [s.result and s.result["error"] for s in streams if not s.result or s.result["error"]]
     assert not errors, errors
-    for i, (res, toks) in enumerate(zip(streams.results, streams.tokens)):
-        assert res["finish_reason"] == "length" and res["done"], res
-        assert toks == reference[i], f"stream {i}: tokens differ from plain vLLM"
+    for i, s in enumerate(streams):
+        assert s.result["finish_reason"] == "length" and s.result["done"], s.result
+        assert s.ids == reference[i], f"stream {i}: tokens differ from plain vLLM"
     after = scrape(attn)
     assert su.http_get(f"{attn.url}/health", timeout=5)[0] == 200
     assert after["vllm:afd_peer_up"] == 1.0

@@ -20,10 +20,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from harness import AfdProc, wait_healthy
+from harness import AfdProc, module_log_dir, wait_healthy
 
 import serve_util as su
 
@@ -45,9 +44,7 @@ PARAMS = {"temperature": 0.0, "logprobs": 5, "ignore_eos": True,
           "return_tokens_as_token_ids": True}
 
 
-@pytest.fixture(scope="module")
-def log_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("afd_serve_logs")
+log_dir = module_log_dir("afd_serve_logs")
 
 
 @pytest.fixture(scope="module")

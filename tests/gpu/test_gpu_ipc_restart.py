@@ -39,7 +39,14 @@ from pathlib import Path
 import oracle_lib
 import pytest
 import torch
-from harness import TokenStream, start_plain, wait_for, wait_healthy
+from harness import (
+    TokenStream,
+    first_token_after,
+    join_streams,
+    start_plain,
+    wait_for,
+    wait_healthy,
+)
 
 import serve_util as su
 
@@ -164,13 +171,11 @@ def test_gpu_ipc_ffn_restart_loses_no_request(tmp_path):
 
         t_start = time.monotonic()
         ffn2 = pair.start_ffn()
-        for s in streams:
-            s.join(max(1.0, t_start + START_TIMEOUT_S - time.monotonic()))
-        assert not any(s.is_alive() for s in streams), (
+        assert not join_streams(streams, START_TIMEOUT_S), (
             "streams still running after the FFN restart; attention log:\n" + attn.log_tail()
         )
         healthy = wait_healthy([attn, ffn2], START_TIMEOUT_S)
-        resumed = min((t for s in streams for t in s.times if t > t_start), default=t_start)
+        resumed = first_token_after(streams, t_start) or t_start
 
         errors = [(i, s.result and s.result["error"]) for i, s in enumerate(streams)
                   if s.result is None or s.result["error"]]  # fmt: skip

@@ -174,17 +174,29 @@ def attention():
         a.close()
 
 
+@pytest.fixture
+def connected(ffns, attention):
+    """make(layers, rejoin_timeout_s): an FFN rank on a free port and an attention connector
+    connected to it: (port, the FFN rank, the connector)."""
+
+    def make(layers: int = 1, rejoin_timeout_s: float = 0.0):
+        port = free_port()
+        ffn = ffns(port, layers=layers)
+        att = attention(port, rejoin_timeout_s=rejoin_timeout_s)
+        Bg(att.connect).get()
+        return port, ffn, att
+
+    return make
+
+
 def _lose(att: tcp.TCPAttentionConnector) -> None:
     """Wait until the attention side has noticed the loss (its heartbeat)."""
     wait_until(lambda: not att.is_up(), 5.0, "the loss noticed")
 
 
 # --------------------------------------------------------------------- reconnect itself
-def test_reconnect_reaches_a_restarted_ffn_and_counts_the_outage(ffns, attention):
-    port = free_port()
-    first = ffns(port, layers=1)
-    att = attention(port, rejoin_timeout_s=0)  # no background rejoin: the test drives it
-    Bg(att.connect).get()
+def test_reconnect_reaches_a_restarted_ffn_and_counts_the_outage(ffns, connected):
+    port, first, att = connected(1, 0)  # no background rejoin: the test drives it
     first.close()
     _lose(att)
     assert att.lost_at() is not None
@@ -209,11 +221,8 @@ def test_reconnect_reaches_a_restarted_ffn_and_counts_the_outage(ffns, attention
     assert att.is_up()
 
 
-def test_reconnect_gives_up_at_the_deadline(ffns, attention):
-    port = free_port()
-    first = ffns(port, layers=1)
-    att = attention(port, rejoin_timeout_s=0)
-    Bg(att.connect).get()
+def test_reconnect_gives_up_at_the_deadline(connected):
+    port, first, att = connected(1, 0)
     first.close()
     _lose(att)
     t0 = time.monotonic()
@@ -223,13 +232,10 @@ def test_reconnect_gives_up_at_the_deadline(ffns, attention):
     assert not att.is_up()
 
 
-def test_reconnect_to_another_deployment_fails_at_once(ffns, attention):
+def test_reconnect_to_another_deployment_fails_at_once(ffns, connected):
     """A restarted FFN rank of another checkpoint: the re-handshake refuses it at once,
     not at the deadline."""
-    port = free_port()
-    first = ffns(port, layers=1)
-    att = attention(port, rejoin_timeout_s=0)
-    Bg(att.connect).get()
+    port, first, att = connected(1, 0)
     first.close()
     _lose(att)
     ffns(port, layers=1, checkpoint="ffffffffffffffffffffffff (other)")
@@ -263,13 +269,10 @@ def test_dial_backs_off_doubling_up_to_one_second(monkeypatch, attention):
     assert round(sum(sleeps), 3) == 4.5  # the last sleep ends at the deadline
 
 
-def test_idle_loss_rejoins_in_the_background(ffns, attention):
+def test_idle_loss_rejoins_in_the_background(ffns, connected):
     """Lost between steps (the heartbeat sees it): the connector reconnects by itself, so
     that a restarted FFN rank finds its attention rank without waiting for a request."""
-    port = free_port()
-    first = ffns(port, layers=1)
-    att = attention(port, rejoin_timeout_s=10)
-    Bg(att.connect).get()
+    port, first, att = connected(1, 10)
     first.close()
     _lose(att)
     second = ffns(port, layers=1)
@@ -286,14 +289,11 @@ def client_for(att: tcp.TCPAttentionConnector, layers: int) -> AttentionClient:
     return c
 
 
-def test_interrupted_step_is_rerun_from_its_first_layer(ffns, attention):
+def test_interrupted_step_is_rerun_from_its_first_layer(ffns, connected):
     """Layer 0 of a step exchanged, then the FFN rank dies; a new one starts on its port
     0.3 s later. Layer 1's exchange holds, rejoins, re-runs the step (layer 0 as zero rows,
     layer 1 with its input) and returns layer 1's true output; layer 2 follows normally."""
-    port = free_port()
-    first = ffns(port, layers=3)
-    att = attention(port, rejoin_timeout_s=10)
-    Bg(att.connect).get()
+    port, first, att = connected(3, 10)
     client = client_for(att, 3)
     xs = [torch.randn(4, HIDDEN) for _ in range(3)]
     assert torch.equal(client.exchange(xs[0], 0), 2 * xs[0])
@@ -337,14 +337,11 @@ def test_rerun_of_a_gated_step_sends_zero_router_logits(ffns, attention):
     assert torch.equal(second.logits[1], l1)
 
 
-def test_rejoin_retries_while_the_ffn_still_holds_the_old_connection(ffns, attention):
+def test_rejoin_retries_while_the_ffn_still_holds_the_old_connection(connected):
     """The attention side gave up on a live FFN rank (a timeout): until the FFN rank notices
     that connection's end it answers a new hello with 'attention rank 0 is already
     connected'; a rejoin retries that (at start-up it is a refusal)."""
-    port = free_port()
-    ffn = ffns(port, layers=1)
-    att = attention(port, rejoin_timeout_s=0)
-    Bg(att.connect).get()
+    port, ffn, att = connected(1, 0)
     ffn.running.clear()  # the FFN rank reads nothing meanwhile
     time.sleep(0.1)  # its loop has paused (it polls every 0.05 s)
     att._fail(AFDPeerError("AFD peer FFN rank 0 did not answer within the timeout"), "recv")
@@ -417,12 +414,9 @@ def test_without_failover_a_rank_waits_for_its_own_ffn_rank(attention):
     assert att._replicas() == [0]
 
 
-def test_without_rejoin_a_lost_ffn_ends_the_step(ffns, attention):
+def test_without_rejoin_a_lost_ffn_ends_the_step(ffns, connected):
     """rejoin_timeout_s 0: today's fail-fast path (the engine ends on this error)."""
-    port = free_port()
-    first = ffns(port, layers=2)
-    att = attention(port, rejoin_timeout_s=0)
-    Bg(att.connect).get()
+    port, first, att = connected(2, 0)
     client = client_for(att, 2)
     x = torch.randn(2, HIDDEN)
     client.exchange(x, 0)
@@ -434,11 +428,8 @@ def test_without_rejoin_a_lost_ffn_ends_the_step(ffns, attention):
     assert time.monotonic() - t0 < 1.0
 
 
-def test_a_step_fails_as_today_once_rejoin_timeout_s_has_passed(ffns, attention):
-    port = free_port()
-    first = ffns(port, layers=2)
-    att = attention(port, rejoin_timeout_s=1.0)
-    Bg(att.connect).get()
+def test_a_step_fails_as_today_once_rejoin_timeout_s_has_passed(connected):
+    port, first, att = connected(2, 1.0)
     client = client_for(att, 2)
     x = torch.randn(2, HIDDEN)
     client.exchange(x, 0)
@@ -453,11 +444,8 @@ def test_a_step_fails_as_today_once_rejoin_timeout_s_has_passed(ffns, attention)
     assert "did not come back within rejoin_timeout_s=1" in msg
 
 
-def test_outage_seconds_and_peer_up_while_waiting(ffns, attention):
-    port = free_port()
-    first = ffns(port, layers=1)
-    att = attention(port, rejoin_timeout_s=0)
-    Bg(att.connect).get()
+def test_outage_seconds_and_peer_up_while_waiting(ffns, connected):
+    port, first, att = connected(1, 0)
     client = client_for(att, 1)
     assert client.outage_seconds() == 0.0
     assert client.peers() == {"ffn_rank_0": True}

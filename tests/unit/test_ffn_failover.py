@@ -41,15 +41,21 @@ def rank_at(net, port: int, rank: int, ffn_rank: int, extra=FAILOVER, **kw):
     return att
 
 
-def test_a_failing_over_rank_is_served_as_a_guest(net):
+def replica_with_guest(net):
+    """FFN rank 1 (failover on) with its own attention rank 1 and attention rank 0 as a
+    guest, both connected and accepted: (port, the FFN rank, own rank, guest rank)."""
     port = free_ports(2, consecutive=True)[0]
     ffn1 = replica(net, port, 1)
-    own = rank_at(net, port, 1, 1)
-    guest = rank_at(net, port, 0, 1)
+    own, guest = rank_at(net, port, 1, 1), rank_at(net, port, 0, 1)
     Bg(own.connect).get()
     Bg(guest.connect).get()
     wait_until(lambda: set(ffn1.peers) == {0, 1}, what="both ranks accepted")
     assert ffn1.guest_ranks() == [0]
+    return port, ffn1, own, guest
+
+
+def test_a_failing_over_rank_is_served_as_a_guest(net):
+    _, ffn1, own, guest = replica_with_guest(net)
     assert ffn1.peer_states() == {"attention_rank_1": True}  # own ranks only
     serve_one_step(ffn1, guest, 1)
     serve_one_step(ffn1, own, 1)
@@ -84,13 +90,7 @@ def test_a_guest_is_not_waited_for_at_start(net):
 
 @pytest.mark.parametrize("how", ["goodbye", "reset"])
 def test_a_guest_that_leaves_is_dropped_and_may_come_again(net, how):
-    port = free_ports(2, consecutive=True)[0]
-    ffn1 = replica(net, port, 1)
-    own = rank_at(net, port, 1, 1)
-    guest = rank_at(net, port, 0, 1)
-    Bg(own.connect).get()
-    Bg(guest.connect).get()
-    wait_until(lambda: ffn1.guest_ranks() == [0], what="the guest accepted")
+    port, ffn1, own, guest = replica_with_guest(net)
     if how == "goodbye":  # it moves back home
         guest.close()
         deadline = time.monotonic() + 3.0
