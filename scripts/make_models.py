@@ -270,8 +270,11 @@ _FAMILIES: dict[str, dict] = {
         norm_topk_prob=True,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=64,  # vLLM 0.32's CPU Gated DeltaNet kernels: head dim 64 or 128
-        linear_value_head_dim=64,
+        # 128, as in Qwen3-Next itself (vLLM's CPU Gated DeltaNet kernels take 64 or 128; on a
+        # CPU with AMX, vLLM 0.26.0's chunk_gated_delta_rule_cpu dies of SIGILL at 64 - plain
+        # vLLM too: its oneDNN brgemm runs AMX tile instructions unconfigured)
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
         **_EXPERTS,
         **_ATTN,
