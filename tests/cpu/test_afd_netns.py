@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from harness import AfdProc
+from harness import AfdProc, start_plain
 from oracle_lib import assert_outputs_match
 
 import serve_util as su
@@ -170,10 +170,7 @@ def plain_beside(model_dir: Path, d: Path, spec: dict):
     """Plain vLLM's output on ``spec``, read by calling what this yields. The engine starts
     at once and runs beside the AFD pair the test starts next (engine start-up is mostly
     one thread each); it is stopped at the end."""
-    (d / "prompts.json").write_text(json.dumps(spec))
-    p = AfdProc("plain", model_dir, d / "plain.log",
-                ["--prompts", str(d / "prompts.json"), "--out", str(d / "plain.json"),
-                 "--max-num-seqs", "4"])  # fmt: skip
+    p = start_plain(model_dir, d, spec, max_num_seqs=4)
     out: list[dict] = []
 
     def result() -> dict:

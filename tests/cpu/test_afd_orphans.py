@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from harness import wait_healthy
+from harness import TokenStream, join_streams, wait_for, wait_healthy
 
 import serve_util as su
 
@@ -72,23 +71,6 @@ class Pair:
         ready = wait_healthy([attn, ffn], START_TIMEOUT_S)
         print(f"AFD pair healthy after {ready}")
         return attn, ffn
-
-
-class Stream:
-    """One streaming completion in a thread; ``started`` is set at its first chunk."""
-
-    def __init__(self, srv: su.Server):
-        self.started = threading.Event()
-        self.result: dict | None = None
-        self.thread = threading.Thread(target=self._run, args=(srv,), daemon=True)
-        self.thread.start()
-
-    def _run(self, srv: su.Server) -> None:
-        self.result = su.stream_completion(
-            srv.url, "Once upon a time", max_tokens=STREAM_TOKENS, temperature=0.0,
-            ignore_eos=True,
-            timeout=120, on_chunk=lambda chunk: self.started.set(),
-        )  # fmt: skip
 
 
 def kill_api_server(srv: su.Server) -> tuple[float, list[psutil.Process]]:
@@ -140,8 +122,8 @@ def test_children_of_a_killed_api_server_end(model_dir, tmp_path):
     pair = Pair(model_dir, tmp_path)
     try:
         attn, ffn = pair.start_both()
-        stream = Stream(attn)
-        assert stream.started.wait(120), "no token streamed"
+        stream = TokenStream(attn, "Once upon a time", STREAM_TOKENS, timeout=120)
+        wait_for(lambda: stream.ids, 120, "a streamed token")
 
         # 1. the FFN API server dies: its engine core and worker follow, the port is free
         t_kill, children = kill_api_server(ffn)
@@ -149,8 +131,7 @@ def test_children_of_a_killed_api_server_end(model_dir, tmp_path):
         assert su.port_bindable(pair.afd_port), "AFD port still bound"
 
         # ... and the attention server fails as for a killed FFN server
-        stream.thread.join(BOUND_S)
-        assert stream.result is not None, "the in-flight stream still runs"
+        assert not join_streams([stream], BOUND_S), "the in-flight stream still runs"
         assert stream.result["error"] and stream.result["finish_reason"] != "length", (
             f"the in-flight stream did not fail: {stream.result}")
         try:

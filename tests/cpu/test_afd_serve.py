@@ -22,7 +22,7 @@ import threading
 import time
 
 import pytest
-from harness import AfdProc, module_log_dir, wait_healthy
+from harness import AfdProc, TokenStream, join_streams, module_log_dir, wait_for, wait_healthy
 
 import serve_util as su
 
@@ -153,26 +153,16 @@ def test_serving_benchmark_client_against_the_pair(pair, model_dir, tmp_path):
 
 def test_killed_ffn_fails_requests_fast(pair):
     attn, ffn = pair
-    flowing = threading.Event()
-    result: dict = {}
-
-    def long_request() -> None:
-        t0 = time.monotonic()
-        result.update(su.stream_completion(
-            attn.url, "Once upon a time", max_tokens=480, temperature=0.0, ignore_eos=True,
-            timeout=AFD_TIMEOUT_S + 60, on_chunk=lambda chunk: flowing.set()))
-        result["elapsed"] = time.monotonic() - t0
-
-    worker = threading.Thread(target=long_request, daemon=True)
-    worker.start()
-    assert flowing.wait(60), f"no token streamed; {result}"
+    stream = TokenStream(attn, "Once upon a time", 480, timeout=AFD_TIMEOUT_S + 60)
+    wait_for(lambda: stream.ids, 60, "a streamed token")
     t_kill = time.monotonic()
     ffn.kill()
     assert ffn.gone()
-    worker.join(AFD_TIMEOUT_S + 10 + 5)
+    running = join_streams([stream], AFD_TIMEOUT_S + 10 + 5)
     ended = time.monotonic() - t_kill
+    result = stream.result or {}
     print(f"in-flight request ended {ended:.1f} s after the kill: {result}")
-    assert not worker.is_alive(), f"request still running {ended:.0f} s after the FFN kill"
+    assert not running, f"request still running {ended:.0f} s after the FFN kill"
     assert ended <= AFD_TIMEOUT_S + 10, ended
     completed = result.get("finish_reason") == "length" and result.get("error") is None
     assert not completed, f"request finished normally despite the dead FFN: {result}"
