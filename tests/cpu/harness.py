@@ -79,6 +79,8 @@ class AfdProc:
     ):
         self.mode = mode
         self.log = Path(log)
+        args = list(args)
+        self.out = Path(args[args.index("--out") + 1]) if "--out" in args else None
         self.env = su.engine_env(model if device == "cpu" else None, in_process=True, extra=env)
         self.vllm_port = int(self.env["VLLM_PORT"])
         # A server killed earlier (here or by an earlier run) leaves its files behind,
@@ -117,6 +119,13 @@ class AfdProc:
             self.kill()
             pytest.fail(f"{self.log.name} did not finish within {timeout} s:\n{self.tail()}")
         return rc
+
+    def output(self, timeout: float) -> dict:
+        """What the process wrote to its ``--out`` file, once it ended with exit code 0
+        (waited for as by ``wait``; another exit code fails the test with its log)."""
+        rc = self.wait(timeout)
+        assert rc == 0, f"{self.log.name}: afd_proc.py {self.mode} failed (rc={rc}):\n{self.tail()}"
+        return json.loads(self.out.read_text())
 
     def wait_for_log(self, text: str, timeout: float, poll: float = 0.2) -> float | None:
         """Seconds until ``text`` is in the log; None after ``timeout`` or once the process

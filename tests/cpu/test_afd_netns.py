@@ -175,9 +175,7 @@ def plain_beside(model_dir: Path, d: Path, spec: dict):
 
     def result() -> dict:
         if not out:
-            rc = p.wait_exit(START_TIMEOUT_S)
-            assert rc == 0, p.tail()
-            out.append(json.loads((d / "plain.json").read_text()))
+            out.append(p.output(START_TIMEOUT_S))
         return out[0]
 
     try:

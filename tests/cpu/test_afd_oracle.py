@@ -35,22 +35,19 @@ START_TIMEOUT = 420  # engine start on a loaded 2-core machine
 _PLAIN_CACHE: dict[str, dict] = {}
 
 
-def start_plain(model: Path, tmp_path: Path, engine_args: tuple[str, ...] = ()):
-    """A plain vLLM engine generating PROMPTS: (its AfdProc, its output file), in a folder
-    of its own (an AFD pair started beside it rewrites tmp_path/prompts.json)."""
+def start_plain(model: Path, tmp_path: Path, engine_args: tuple[str, ...] = ()) -> AfdProc:
+    """A plain vLLM engine generating PROMPTS, in a folder of its own (an AFD pair started
+    beside it rewrites tmp_path/prompts.json)."""
     own = tmp_path / f"plain_{model.name}"
     own.mkdir(exist_ok=True)
-    return harness.start_plain(model, own, max_num_seqs=4, args=engine_args), own / "plain.json"
+    return harness.start_plain(model, own, max_num_seqs=4, args=engine_args)
 
 
 def plain_reference(model: Path, tmp_path: Path) -> dict:
     """Plain vLLM output for PROMPTS (computed once per model per session)."""
     key = str(model)
     if key not in _PLAIN_CACHE:
-        p, out = start_plain(model, tmp_path)
-        rc = p.wait(START_TIMEOUT)
-        assert rc == 0, p.tail()
-        _PLAIN_CACHE[key] = json.loads(out.read_text())
+        _PLAIN_CACHE[key] = start_plain(model, tmp_path).output(START_TIMEOUT)
     return _PLAIN_CACHE[key]
 
 
@@ -60,13 +57,12 @@ def plain_reference_beside(model: Path, tmp_path: Path, procs) -> Callable[[], d
     thread each, as in test_oracle_family), not before it."""
     key = str(model)
     if key not in _PLAIN_CACHE:
-        p, out = start_plain(model, tmp_path)
+        p = start_plain(model, tmp_path)
         procs.append(p)
 
         def result() -> dict:
             if key not in _PLAIN_CACHE:
-                assert p.wait(START_TIMEOUT) == 0, p.tail()
-                _PLAIN_CACHE[key] = json.loads(out.read_text())
+                _PLAIN_CACHE[key] = p.output(START_TIMEOUT)
             return _PLAIN_CACHE[key]
 
         return result
@@ -174,13 +170,13 @@ def test_oracle_family(name, models_dir, tmp_path, procs):
     gated = FAMILIES[family_name].gate_on_attention
     # The plain reference (used by this case only) runs beside the AFD pair: engine
     # start-up is mostly one thread each.
-    plain, plain_out = start_plain(model, tmp_path, engine_args)
+    plain = start_plain(model, tmp_path, engine_args)
     procs.append(plain)
     ffn, [(attn, out)] = run_afd(procs, tmp_path, model, engine_args=engine_args,
                                  extra={"compute_gate_on_attention": gated})
-    assert plain.wait(START_TIMEOUT) == 0, plain.tail()
+    ref = plain.output(START_TIMEOUT)
     assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
-    worst = assert_matches(json.loads(plain_out.read_text()), json.loads(out.read_text()))
+    worst = assert_matches(ref, json.loads(out.read_text()))
     if gated:
         assert f"router of {moe_layers} MoE layer(s) runs on the attention role" \
             in attn.text(), attn.tail()
@@ -434,8 +430,7 @@ def test_oracle_dbo_grouped_routing_q_lora(models_dir, tmp_path, procs):
         return json.loads((tmp_path / f"{tag}.json").read_text())
 
     dbo = attention("dbo", QLORA_DBO)
-    assert plain.wait(START_TIMEOUT) == 0, plain.tail()
-    ref = json.loads((tmp_path / "plain" / "plain.json").read_text())
+    ref = plain.output(START_TIMEOUT)
     dbo_text = (tmp_path / "attn_dbo.log").read_text()
     assert "DBO on, 2 micro-batches per step from 2 decode / 12 prefill tokens" in dbo_text
     worst_dbo = assert_outputs_match(ref, dbo, spec["max_tokens"], LOGPROB_TOL)

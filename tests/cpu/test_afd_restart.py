@@ -16,7 +16,6 @@ tests/cpu/test_afd_serve.py::test_killed_ffn_fails_requests_fast (the default wi
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -59,11 +58,7 @@ def reference(model_dir, log_dir) -> list[list[int]]:
     """Plain vLLM's greedy token ids of PROMPTS (an engine in a process of its own)."""
     spec = {"prompts": PROMPTS, "max_tokens": [MAX_TOKENS] * N_STREAMS}
     proc = start_plain(model_dir, log_dir, spec, max_num_seqs=16)
-    out = log_dir / "plain.json"
-    rc = proc.wait(300)
-    if rc != 0:
-        pytest.fail(f"afd_proc.py plain failed (rc={rc}):\n{proc.tail()}", pytrace=False)
-    return [o["token_ids"] for o in json.loads(out.read_text())["outputs"]]
+    return [o["token_ids"] for o in proc.output(300)["outputs"]]
 
 
 class Pair:

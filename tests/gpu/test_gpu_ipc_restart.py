@@ -93,9 +93,7 @@ def _reference(model_dir: Path, directory: Path) -> dict:
     proc = start_plain(model_dir, directory, spec, N_STREAMS,
                        [*GPU_ARGS, *MODE_ARGS],
                        device="cuda", env=ENV)  # fmt: skip
-    rc = proc.wait(START_TIMEOUT_S)
-    assert rc == 0, f"afd_proc.py plain failed (rc={rc}):\n{proc.tail()}"
-    return json.loads((directory / "plain.json").read_text())
+    return proc.output(START_TIMEOUT_S)
 
 
 class Pair:

@@ -108,8 +108,7 @@ def _plain(name, mode, runner, tmp_path, procs) -> dict:
         out = tmp_path / "plain.json"
         plain = _proc(["plain", "--prompts", str(prompts), "--out", str(out), *_mode_args(mode)],
                       model, tmp_path / "plain.log", 0, procs, runner)
-        assert plain.wait(START) == 0, plain.tail()
-        _PLAIN[key] = json.loads(out.read_text())
+        _PLAIN[key] = plain.output(START)
     return _PLAIN[key]
 
 
