@@ -119,6 +119,11 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
     return ffn, attns
 
 
+# The attention role opens each step at the model's forward (a pre-hook) rather than at
+# its first remote layer; its token count must then equal that layer's (else an error).
+EARLY_CONTROL = "AFD attention role: steps open at the model's forward"
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe", "deepseek_v2"])
 def test_oracle_1a1f(name, models_dir, tmp_path, procs):
     model = models_dir / name
@@ -126,6 +131,7 @@ def test_oracle_1a1f(name, models_dir, tmp_path, procs):
     ffn, [(attn, out)] = run_afd(procs, tmp_path, model)
     assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
     worst = assert_matches(plain(), json.loads(out.read_text()))
+    assert EARLY_CONTROL in attn.text(), attn.tail()
     print(f"{name}: tokens identical, max |logprob diff| {worst:.2e}")
     assert ffn.p.poll() is None, "FFN server must keep serving after the attention goodbye"
 
@@ -177,6 +183,7 @@ def test_oracle_family(name, models_dir, tmp_path, procs):
     ref = plain.output(START_TIMEOUT)
     assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
     worst = assert_matches(ref, json.loads(out.read_text()))
+    assert EARLY_CONTROL in attn.text(), attn.tail()
     if gated:
         assert f"router of {moe_layers} MoE layer(s) runs on the attention role" \
             in attn.text(), attn.tail()

@@ -18,7 +18,7 @@ import torch
 from torch.profiler import record_function
 
 from vllm.afd import dbo, failure, metrics, rejoin, ubatch_compat
-from vllm.afd.protocol import AFDHandshakeError, AFDPeerError
+from vllm.afd.protocol import AFDHandshakeError, AFDPeerError, AFDProtocolError
 from vllm.afd.roles import afd_config
 from vllm.afd.roles import graph_capture_guard as graph_capture_guard  # patch 0013 imports it here
 from vllm.distributed.afd.base import ConnectorContext, create_attention_connector
@@ -44,6 +44,9 @@ class AttentionClient:
         self.rank = 0
         self._transfer = self._wait = 0.0
         self._bytes_out = self._bytes_in = 0
+        self.early_control = True  # connector_extra_config.early_step_control
+        self._opened: int | None = None  # tokens of the step begin_forward opened
+        self._early_logged = False
 
     def register(self, layer_idx: int, gated: bool = False) -> None:
         self.layers.append(layer_idx)
@@ -78,6 +81,7 @@ class AttentionClient:
             metrics.STATS.write()
             raise
         self.connector = connector
+        self.early_control = cfg.connector_extra_config.get("early_step_control", True)
         atexit.register(self.close)
         dbo.watch_ubatch_threads(vllm_config, rank)
         dbo.configure(vllm_config, connector.shares_device())
@@ -126,18 +130,7 @@ class AttentionClient:
         # DBO: this thread runs micro-batch `ub` of `nub` (see vllm.afd.dbo).
         ub, nub = _ubatch()
         if layer_idx == self.first:
-            if ub == 0:
-                self.step_id += 1
-                self._transfer = self._wait = 0.0
-                self._bytes_out = self._bytes_in = 0
-            if nub:
-                conn.begin_step(
-                    self.step_id, x.shape[0], ubatch=(ub, nub),
-                    ubatch_tokens=dbo.step_ubatch_tokens(),
-                )  # fmt: skip
-            else:
-                conn.begin_step(self.step_id, x.shape[0])
-            _install_step_metadata(AFDStepMetadata(self.step_id, x.shape[0]))
+            self._open_step(conn, x.shape[0], ub, nub)
         with record_function("afd.send"):
             conn.send(x)
             sent = x.numel() * x.element_size()
@@ -168,6 +161,55 @@ class AttentionClient:
             if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                 self._record_step()
         return out
+
+    def begin_forward(self, num_tokens: int) -> None:
+        """The model's forward starts (a pre-hook, vllm.afd.model_split.post_load): open
+        the step now rather than at the first remote layer, so that the FFN rank learns
+        of it while this side still computes the embedding and the first layer's
+        attention (with cuda_ipc the FFN host polls for the control message and
+        launches its graph meanwhile; at the first layer that latency was on the
+        step's path). Micro-batched steps open at the first layer as before, and so
+        does a step whose opening fails here (a lost peer is handled there, where
+        rejoining is)."""
+        conn = self.connector
+        self._opened = None  # a forward that ended before its first remote layer
+        if conn is None or not self.early_control or _ubatch()[1]:
+            return
+        try:
+            self._open_step(conn, num_tokens, 0, 0)
+        except AFDPeerError:
+            self._opened = None
+            return
+        if not self._early_logged:
+            self._early_logged = True
+            logger.info("AFD attention role: steps open at the model's forward "
+                        "(connector_extra_config.early_step_control)")  # fmt: skip
+        self._opened = num_tokens
+
+    def _open_step(self, conn, num_tokens: int, ub: int, nub: int) -> None:
+        """Step control for a step of ``num_tokens`` tokens (micro-batch ``ub`` of
+        ``nub``), unless begin_forward opened it already."""
+        opened, self._opened = self._opened, None
+        if opened is not None:
+            if opened != num_tokens:
+                raise AFDProtocolError(
+                    f"AFD attention role: the model's forward opened a step of {opened} "
+                    f"tokens, its first remote FFN layer has {num_tokens}; set "
+                    "connector_extra_config.early_step_control to false for this model"
+                )
+            return
+        if ub == 0:
+            self.step_id += 1
+            self._transfer = self._wait = 0.0
+            self._bytes_out = self._bytes_in = 0
+        if nub:
+            conn.begin_step(
+                self.step_id, num_tokens, ubatch=(ub, nub),
+                ubatch_tokens=dbo.step_ubatch_tokens(),
+            )  # fmt: skip
+        else:
+            conn.begin_step(self.step_id, num_tokens)
+        _install_step_metadata(AFDStepMetadata(self.step_id, num_tokens))
 
     def _record_step(self) -> None:
         metrics.STATS.record(
@@ -226,6 +268,23 @@ def register_remote_layer(layer_idx: int, gated: bool = False) -> None:
 
 def connect(vllm_config, fingerprint: dict, num_router_logits: int | None) -> None:
     CLIENT.connect(vllm_config, fingerprint, num_router_logits)
+
+
+_FORWARD_ARGS = ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")
+
+
+def forward_pre_hook(module, args: tuple, kwargs: dict) -> None:
+    """On the model (vllm.afd.model_split.post_load): its forward opens the step
+    (AttentionClient.begin_forward). A forward of a later pipeline stage
+    (intermediate tensors) opens it at its first remote layer as before."""
+    given = {**dict(zip(_FORWARD_ARGS, args)), **kwargs}
+    if given.get("intermediate_tensors") is not None:
+        return
+    tokens = given.get("inputs_embeds")
+    if tokens is None:
+        tokens = given.get("input_ids")
+    if isinstance(tokens, torch.Tensor):
+        CLIENT.begin_forward(tokens.shape[0])
 
 
 def guard_forward(forward, ubatched: bool = False):

@@ -223,9 +223,10 @@ class AFDConfig:
         if secret_env is not None and not isinstance(secret_env, str):
             fail("connector_extra_config.secret_env must be the name of an environment variable")
         self._validate_failover(fail)
-        graphs = self.connector_extra_config.get("ffn_cuda_graphs", True)
-        if not isinstance(graphs, bool):
-            fail(f"connector_extra_config.ffn_cuda_graphs must be true or false; got {graphs!r}")
+        for key in ("ffn_cuda_graphs", "early_step_control", "ffn_hot_poll"):
+            value = self.connector_extra_config.get(key, True)
+            if not isinstance(value, bool):
+                fail(f"connector_extra_config.{key} must be true or false; got {value!r}")
         per_pass = self.connector_extra_config.get("ffn_max_tokens_per_pass")
         if per_pass is not None and (not _is_int(per_pass) or per_pass < 1):
             fail(

@@ -737,6 +737,10 @@ class IPCFFNConnector(TCPFFNConnector):
     # (recv_control answers from it without waiting; see vllm.afd.ffn_runner).
     ubatch_controls_upfront = True
 
+    # Control polls back to back for HOT_S after a step, then every IDLE_POLL_S.
+    HOT_S = 0.5
+    IDLE_POLL_S = 200e-6
+
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
         self.timeout_ns = _timeout_ns(ctx)
@@ -748,6 +752,8 @@ class IPCFFNConnector(TCPFFNConnector):
         # Bumped whenever an attention rank (re)joins: graphs captured before
         # hold the device addresses of the previous session's buffers.
         self.generation = 0
+        self.hot_poll = ctx.config.connector_extra_config.get("ffn_hot_poll", True)
+        self._last_step = float("-inf")
 
     def start(self) -> None:
         dev = self.ctx.device
@@ -837,7 +843,7 @@ class IPCFFNConnector(TCPFFNConnector):
                 return []
             ready = self._device_ready(peers)
             if ready:
-                now = time.monotonic()
+                now = self._last_step = time.monotonic()
                 got = {r.rank for r in ready}
                 for p in peers:
                     if p.rank in got:
@@ -849,7 +855,17 @@ class IPCFFNConnector(TCPFFNConnector):
                 self._check_sockets(peers)
             if now >= deadline:
                 return []
-            time.sleep(20e-6)
+            time.sleep(self._poll_pause(now))
+
+    def _poll_pause(self, now: float) -> float:
+        """Seconds between two control polls: none while steps flow (the FFN rank
+        has nothing else to do then; a poll is a small copy and a stream sync,
+        and the time the host takes to notice a step is on the step's path),
+        IDLE_POLL_S once HOT_S passed without a step; 20 us always with
+        connector_extra_config.ffn_hot_poll false (the earlier behaviour)."""
+        if not self.hot_poll:
+            return 20e-6
+        return 0.0 if now - self._last_step < self.HOT_S else self.IDLE_POLL_S
 
     def _check_sockets(self, peers: list[_Peer]) -> None:
         """Heartbeats, goodbyes and profiler requests; steps come by device. A lost
