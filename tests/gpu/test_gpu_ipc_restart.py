@@ -83,7 +83,18 @@ DOWN_S = 2.0  # the FFN server is started again this long after it is gone
 START_TIMEOUT_S = 240.0
 STREAM_IDLE_S = 300.0  # a client waits this long for a chunk (the outage is silent)
 TIE_TOL = 0.1  # plain's best minus the taken token's logprob at a divergence (as QLORA_*)
-LOGPROB_TOL = 0.1  # |logprob diff| of every shared top-5 token before a divergence
+# |logprob diff| of every shared top-5 token before a divergence, in each stream's restart
+# window: the WINDOW tokens from the first one it had not received at the kill (those the
+# held and re-run step and the steps after it computed); the tokens are compared over the
+# whole stream. The served streams batch their prefills otherwise than plain's single
+# offline step, and in bf16 on this flat random-weight model that alone moves logprobs: on
+# one H200 (2026-12-04, fifth session; every token equal to plain's or a near-tie) the worst
+# difference per 16 generated tokens was 0.03-0.10, once 0.167 (token 141 of one stream,
+# long after the restart), so 0.1 failed a run whose every token was right. The worst
+# difference anywhere is printed.
+LOGPROB_TOL = 0.2
+WINDOW = 16
+MIN_CHECKED = N_STREAMS // 2  # streams whose window lies before their first divergence
 
 
 def _reference(model_dir: Path, directory: Path) -> dict:
@@ -158,6 +169,7 @@ def test_gpu_ipc_ffn_restart_loses_no_request(tmp_path):
         wait_for(lambda: all(s.ids for s in streams), 120, "a token on every stream")
         in_flight = sum(len(s.ids) < MAX_TOKENS for s in streams)
         t_kill = time.monotonic()
+        at_kill = [len(s.ids) for s in streams]  # the first position of each window
         ffn.kill()  # SIGKILL to the whole FFN server (API server, engine core, worker)
         t_gone = time.monotonic()
         assert in_flight == N_STREAMS, f"only {in_flight} streams were running at the kill"
@@ -184,7 +196,15 @@ def test_gpu_ipc_ffn_restart_loses_no_request(tmp_path):
             assert min(len(top) for top in s.top) >= 5, (i, s.top[:2])  # top-5 to compare
         served = _as_outputs(streams)  # kept beside plain/plain.json for a second look
         (tmp_path / "served.json").write_text(json.dumps(served))
-        divs, worst, equal = oracle_lib.near_tie_divergences(plain, served, TIE_TOL, LOGPROB_TOL)
+        windows = [range(n, n + WINDOW) for n in at_kill]
+        divs, worst, equal = oracle_lib.near_tie_divergences(plain, served, TIE_TOL, LOGPROB_TOL,
+                                                             windows)  # fmt: skip
+        first_div = {i: pos for i, pos, _ in divs}
+        checked = sum(first_div.get(i, MAX_TOKENS) > n for i, n in enumerate(at_kill))
+        assert checked >= MIN_CHECKED, (
+            f"only {checked} streams reached their restart window (tokens {at_kill}) before "
+            f"their first divergence {first_div}: too few to compare the re-run step"
+        )
         for i, pos, gap in divs:
             print(
                 f"RESTART divergence: stream {i} at generated token {pos}, plain's best "

@@ -153,3 +153,10 @@ def test_micro_batched_steps_over_tcp_stay_eager():
     for _ in range(3):
         r._run_step(_ubatched(3))
     assert r.captured == [] and r.eager == [("ubatched", 3, 2)] * 3
+
+
+def test_the_largest_captured_pass_grows_with_the_attention_ranks_served():
+    # 3A1F at 256 tokens a rank: the 768-token pass joining all three is captured.
+    assert ffn_runner.graph_token_limit({}, 1) == 512
+    assert ffn_runner.graph_token_limit({}, 3) == 3 * 512
+    assert ffn_runner.graph_token_limit({"ffn_cuda_graph_max_tokens": 64}, 3) == 64

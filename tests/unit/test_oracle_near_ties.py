@@ -91,3 +91,17 @@ def test_mixed_length_prompts_have_the_issue_lengths():
     ids = [t for p in spec["prompts"] for t in p["prompt_token_ids"]]
     assert 5 <= min(ids) and max(ids) < 600 and len(set(ids)) > 400
     assert oracle_lib.mixed_length_prompts() == spec  # the same on every call
+
+
+def test_windows_bound_the_logprob_comparison_and_never_the_tokens():
+    # position 0 differs by 0.3 in logprob, position 2 by 0.02; tokens equal
+    drift = _out((1, {1: -0.8, 2: -1.0}), (3, {3: -0.70, 4: -0.73}), (5, {5: -0.12}))
+    windows = [range(1, 3), range(1, 3)]
+    divs, worst, equal = oracle_lib.near_tie_divergences(PLAIN, _run(P, drift), 0.1, 0.05,
+                                                         windows)  # fmt: skip
+    assert divs == [] and worst == pytest.approx(0.02) and equal == 6
+    with pytest.raises(AssertionError, match="max |logprob diff|"):
+        oracle_lib.near_tie_divergences(PLAIN, _run(P, drift), 0.1, 0.05, [range(0, 1)] * 2)
+    wrong = _out((1, {1: -0.5}), (3, {3: -0.7}), (6, {6: -0.1}))  # 2.9 below plain's best
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        oracle_lib.near_tie_divergences(PLAIN, _run(P, wrong), 0.1, 0.05, [range(0, 0)] * 2)

@@ -35,6 +35,18 @@ logger = init_logger(__name__)
 
 # FFN runners of this process (in-process engines, tests and tools).
 ACTIVE: list[FFNModelRunner] = []
+# Default of connector_extra_config.ffn_cuda_graph_max_tokens: this many per attention
+# rank served (vLLM's largest decode capture size by default).
+GRAPH_TOKENS_PER_RANK = 512
+
+
+def graph_token_limit(extra: dict, ranks: int) -> int:
+    """The largest pass the FFN rank captures as a CUDA graph: the key
+    ffn_cuda_graph_max_tokens, else GRAPH_TOKENS_PER_RANK per attention rank served (a
+    guest too), so that a pass joining every rank's decode step is captured (3A1F at 256
+    tokens a rank ran its 768-token passes eagerly under a fixed 512: 0.66x the
+    replicas on one H200)."""
+    return int(extra.get("ffn_cuda_graph_max_tokens", GRAPH_TOKENS_PER_RANK * ranks))
 
 
 def split_passes(ready: list, max_tokens: int) -> list[list]:
@@ -244,7 +256,8 @@ class FFNModelRunner:
             and bool(extra.get("ffn_cuda_graphs", True))
             and self.group is None  # a group's steps run eagerly in this release
         )
-        self.graph_max_tokens = int(extra.get("ffn_cuda_graph_max_tokens", 512))
+        ranks = len(cfg.attention_ranks_of(rank)) + int(cfg.ffn_failover)
+        self.graph_max_tokens = graph_token_limit(extra, ranks)
         self.graph_max_count = int(extra.get("ffn_cuda_graph_max_count", 64))
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_seen: dict[tuple, int] = {}
@@ -253,7 +266,6 @@ class FFNModelRunner:
         self.graph_replays = 0
         # Several attention ranks on this FFN rank (a guest too, ffn_failover): each
         # pass's device work ends before the next pass is chosen (see _settle).
-        ranks = len(cfg.attention_ranks_of(rank)) + int(cfg.ffn_failover)
         self._settle_passes = settles_passes(self.device.type, ranks)
         self.connector.start()
         metrics.STATS.start("ffn", rank, self.connector.peer_states)
