@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """The attention role: the remote-FFN op and its connection to the FFN rank.
 
-Per forward pass the first remote layer sends one fixed-size step-control
-message (step id, token count) and installs :class:`AFDStepMetadata` on the
-forward context; then every layer sends its FFN input and waits for the FFN
-output. Dummy, profile and warm-up passes go through the same path, so the
+Per forward pass one fixed-size step-control message (step id, token count)
+opens the step - at the start of the model's forward (a forward pre-hook,
+``forward_pre_hook``), else at the first remote layer - and
+:class:`AFDStepMetadata` is installed on the forward context; then every layer
+sends its FFN input and waits for the FFN output. Dummy, profile and warm-up passes go through the same path, so the
 FFN side mirrors them without any special case.
 """
 
