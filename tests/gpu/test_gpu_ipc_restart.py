@@ -86,13 +86,13 @@ TIE_TOL = 0.1  # plain's best minus the taken token's logprob at a divergence (a
 # |logprob diff| of every shared top-5 token before a divergence, in each stream's restart
 # window: the WINDOW tokens from the first one it had not received at the kill (those the
 # held and re-run step and the steps after it computed); the tokens are compared over the
-# whole stream. The served streams batch their prefills otherwise than plain's single
-# offline step, and in bf16 on this flat random-weight model that alone moves logprobs: on
-# one H200 (2026-12-04, fifth session; every token equal to plain's or a near-tie) the worst
-# difference per 16 generated tokens was 0.03-0.10, once 0.167 (token 141 of one stream,
-# long after the restart), so 0.1 failed a run whose every token was right. The worst
-# difference anywhere is printed.
-LOGPROB_TOL = 0.2
+# whole stream. Outside the windows the difference is the served streams' other batching
+# (their prefills arrive apart, plain's come in one offline step), which in bf16 on this
+# flat random-weight model moves logprobs by itself: on one H200 (2026-12-04, fifth
+# session; every token equal to plain's or a near-tie) the worst difference per 16
+# generated tokens was 0.03-0.10, once 0.167 (token 141 of a stream killed about 17 tokens
+# in), and 0.083 in the windows. The worst difference anywhere is printed.
+LOGPROB_TOL = 0.1
 WINDOW = 16
 MIN_CHECKED = N_STREAMS // 2  # streams whose window lies before their first divergence
 

@@ -113,7 +113,8 @@ def test_the_pre_hook_counts_the_tokens_of_the_model_inputs(monkeypatch):
     conn = Recorder()
     monkeypatch.setattr(attention, "CLIENT", client(conn))
     model = Model()
-    model.register_forward_pre_hook(attention.forward_pre_hook, with_kwargs=True)
+    attention.open_steps_at_forward(model)
+    attention.open_steps_at_forward(model)  # a second load: still one hook
     model(input_ids=torch.zeros(7, dtype=torch.long), positions=torch.arange(7))
     model(torch.zeros(2, dtype=torch.long), torch.arange(2))
     model(input_ids=None, positions=torch.zeros(3, 6), inputs_embeds=torch.zeros(6, HIDDEN))

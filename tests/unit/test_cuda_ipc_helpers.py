@@ -285,3 +285,16 @@ def test_a_failing_probe_fails_the_rank_with_a_named_error(monkeypatch):
     assert not watch.is_alive() and conn._dead == msg
     assert msg.startswith(f"AFD watchdog of the connection to {conn.peer} failed (ValueError:")
     assert recorded[0] == ("attention", 0, msg)
+
+
+def test_the_ffn_host_polls_back_to_back_while_steps_flow():
+    conn = create_ffn_connector(_ctx())
+    assert conn.hot_poll and conn._poll_pause(0.0) == conn.IDLE_POLL_S  # no step yet
+    conn._last_step = 100.0
+    assert conn._poll_pause(100.0 + conn.HOT_S / 2) == 0.0
+    assert conn._poll_pause(100.0 + conn.HOT_S * 2) == conn.IDLE_POLL_S
+    cfg = AFDConfig.from_dict({"role": "ffn", "connector": "cuda_ipc",
+                               "connector_extra_config": {"ffn_hot_poll": False}})  # fmt: skip
+    off = create_ffn_connector(ConnectorContext(cfg, 0, {}, 8, torch.device("cpu")))
+    off._last_step = 100.0
+    assert off._poll_pause(100.0) == 20e-6  # the earlier fixed 20 us

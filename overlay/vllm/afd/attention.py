@@ -5,8 +5,9 @@ Per forward pass one fixed-size step-control message (step id, token count)
 opens the step - at the start of the model's forward (a forward pre-hook,
 ``forward_pre_hook``), else at the first remote layer - and
 :class:`AFDStepMetadata` is installed on the forward context; then every layer
-sends its FFN input and waits for the FFN output. Dummy, profile and warm-up passes go through the same path, so the
-FFN side mirrors them without any special case.
+sends its FFN input and waits for the FFN output. Dummy, profile and warm-up
+passes go through the same path, so the FFN side mirrors them without any
+special case.
 """
 
 from __future__ import annotations
@@ -179,7 +180,6 @@ class AttentionClient:
         try:
             self._open_step(conn, num_tokens, 0, 0)
         except AFDPeerError:
-            self._opened = None
             return
         if not self._early_logged:
             self._early_logged = True
@@ -274,10 +274,17 @@ def connect(vllm_config, fingerprint: dict, num_router_logits: int | None) -> No
 _FORWARD_ARGS = ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")
 
 
+def open_steps_at_forward(model: torch.nn.Module) -> None:
+    """Put forward_pre_hook on the model once (vllm.afd.model_split.post_load)."""
+    if getattr(model, "afd_step_hook", None) is None:
+        model.afd_step_hook = model.register_forward_pre_hook(forward_pre_hook,
+                                                              with_kwargs=True)  # fmt: skip
+
+
 def forward_pre_hook(module, args: tuple, kwargs: dict) -> None:
-    """On the model (vllm.afd.model_split.post_load): its forward opens the step
-    (AttentionClient.begin_forward). A forward of a later pipeline stage
-    (intermediate tensors) opens it at its first remote layer as before."""
+    """On the model: its forward opens the step (AttentionClient.begin_forward). A
+    forward of a later pipeline stage (intermediate tensors) opens it at its first
+    remote layer as before."""
     given = {**dict(zip(_FORWARD_ARGS, args)), **kwargs}
     if given.get("intermediate_tensors") is not None:
         return

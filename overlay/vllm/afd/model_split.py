@@ -299,7 +299,7 @@ def post_load(vllm_config, model: nn.Module, model_config, target_device) -> boo
     layers = [m.afd_layer_idx for m in remote]
     attention.connect(vllm_config, ffn_fingerprint(vllm_config, layers),
                       router_logits_width(vllm_config))  # fmt: skip
-    model.register_forward_pre_hook(attention.forward_pre_hook, with_kwargs=True)
+    attention.open_steps_at_forward(model)
     return True
 
 
