@@ -48,7 +48,6 @@ class AttentionClient:
         self._bytes_out = self._bytes_in = 0
         self.early_control = True  # connector_extra_config.early_step_control
         self._opened: int | None = None  # tokens of the step begin_forward opened
-        self._early_logged = False
 
     def register(self, layer_idx: int, gated: bool = False) -> None:
         self.layers.append(layer_idx)
@@ -181,10 +180,8 @@ class AttentionClient:
             self._open_step(conn, num_tokens, 0, 0)
         except AFDPeerError:
             return
-        if not self._early_logged:
-            self._early_logged = True
-            logger.info("AFD attention role: steps open at the model's forward "
-                        "(connector_extra_config.early_step_control)")  # fmt: skip
+        logger.info_once("AFD attention role: steps open at the model's forward "
+                         "(connector_extra_config.early_step_control)")  # fmt: skip
         self._opened = num_tokens
 
     def _open_step(self, conn, num_tokens: int, ub: int, nub: int) -> None:
