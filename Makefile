@@ -78,10 +78,21 @@ test-unit: fetch venv ## unit tests in the venv: tooling and AFD logic (overlay/
 test-cpu: models ## real vLLM on the CPU: plain checkpoints and the AFD oracle
 	$(VPY) -m pytest -q tests/cpu $(PYTEST_ARGS)
 
+# The unit tests (about two minutes on one core) run beside the CPU tests, whose engines
+# leave a core idle while they start, wait or restart; their output follows the CPU tests'.
+# Each of the two pytest runs hands out listen ports from its own part of the window
+# (AFD_PORT_WINDOW, scripts/serve_util.py).
 test: fetch models ## everything CI runs: lint, make check, unit and CPU tests
 	$(MAKE) lint
 	$(MAKE) check
-	$(VPY) -m pytest -q --durations=30 tests/unit tests/cpu $(PYTEST_ARGS)
+	@unit_log=$$(mktemp); \
+	AFD_PORT_WINDOW=31500-32768 $(VPY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS) \
+		> "$$unit_log" 2>&1 & unit=$$!; \
+	AFD_PORT_WINDOW=30100-31500 $(VPY) -m pytest -q --durations=30 tests/cpu $(PYTEST_ARGS); \
+	cpu_rc=$$?; wait $$unit; unit_rc=$$?; \
+	echo "--- tests/unit (ran beside tests/cpu): exit $$unit_rc"; cat "$$unit_log"; rm -f "$$unit_log"; \
+	echo "tests/cpu: exit $$cpu_rc, tests/unit: exit $$unit_rc"; \
+	[ $$cpu_rc -eq 0 ] && [ $$unit_rc -eq 0 ]
 
 test-oracle: models ## the CPU oracle alone (AFD == plain vLLM); per target: VLLM_VERSION=X
 	AFD_MODELS_DIR=$(abspath $(MODELS)) $(VPY) -m pytest -q tests/cpu/test_afd_oracle.py $(PYTEST_ARGS)

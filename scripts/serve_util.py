@@ -74,6 +74,10 @@ CPU_SERVE_ENV = ENGINE_ENV  # the name benchmarks and older callers know
 # above the VLLM_PORT bases of internal_port_base (20000-29900; vLLM scans a few ports
 # upward from its base).
 LISTEN_WINDOW_START = 30100
+# Two processes that hand out ports at once (`make test` runs tests/unit beside tests/cpu)
+# each take a part of the window of their own: "LO-HI" (LO included, HI not). Neither then
+# hands out a port the other has handed out and its server has not bound yet.
+PORT_WINDOW_ENV = "AFD_PORT_WINDOW"
 _HANDED_OUT: set[int] = set()
 
 
@@ -97,6 +101,20 @@ def _bindable_now(port: int, host: str) -> bool:
     return True
 
 
+def listen_window() -> tuple[int, int]:
+    """The ports free_ports hands out, ``[lo, hi)``: from LISTEN_WINDOW_START up to the
+    kernel's ephemeral range, narrowed to the part ``$AFD_PORT_WINDOW`` ("LO-HI") names."""
+    lo, hi = LISTEN_WINDOW_START, ephemeral_port_range()[0]
+    spec = os.environ.get(PORT_WINDOW_ENV, "").strip()
+    if spec:
+        try:
+            part_lo, part_hi = (int(v) for v in spec.split("-"))
+        except ValueError:
+            raise ValueError(f"{PORT_WINDOW_ENV}={spec!r}: expected LO-HI, e.g. 30100-31500") from None
+        lo, hi = max(lo, part_lo), min(hi, part_hi)
+    return lo, hi
+
+
 def free_ports(n: int = 1, host: str = "127.0.0.1", *, consecutive: bool = False) -> list[int]:
     """``n`` distinct TCP ports, free now, below the ephemeral range, none handed out
     before by this process (two servers started one after the other never get the same
@@ -105,7 +123,7 @@ def free_ports(n: int = 1, host: str = "127.0.0.1", *, consecutive: bool = False
     ephemeral range leaves no room below it, the kernel's ``bind(0)`` picks them."""
     if n < 1:
         raise ValueError(f"free_ports: n must be >= 1, got {n}")
-    lo, hi = LISTEN_WINDOW_START, ephemeral_port_range()[0]
+    lo, hi = listen_window()
     if hi - lo < 8 * n:
         return _kernel_ports(n, host, consecutive)
     if len(_HANDED_OUT) > (hi - lo) // 2:

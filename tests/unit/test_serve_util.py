@@ -17,11 +17,12 @@ HOST = "127.0.0.1"
     reason="this host's ephemeral range leaves no window below it",
 )
 def test_free_ports_lie_below_the_ephemeral_range():
-    lo = su.ephemeral_port_range()[0]
+    lo, hi = su.listen_window()
+    assert su.LISTEN_WINDOW_START <= lo < hi <= su.ephemeral_port_range()[0]
     seen = set()
     for _ in range(20):
         (p,) = su.free_ports(1)
-        assert su.LISTEN_WINDOW_START <= p < lo
+        assert lo <= p < hi
         seen.add(p)
     assert len(seen) == 20  # never handed out twice
     base = su.free_ports(3, consecutive=True)[0]
@@ -57,9 +58,27 @@ def test_internal_port_bases_never_repeat_within_50_servers(monkeypatch):
 )
 def test_a_long_session_does_not_run_out_of_ports(monkeypatch):
     monkeypatch.setattr(su, "_HANDED_OUT", set())
-    lo, hi = su.LISTEN_WINDOW_START, su.ephemeral_port_range()[0]
+    lo, hi = su.listen_window()
     got = [su.free_ports(1)[0] for _ in range(hi - lo)]  # as many as the window holds
     assert all(lo <= p < hi for p in got)
+
+
+@pytest.mark.skipif(
+    su.ephemeral_port_range()[0] < su.LISTEN_WINDOW_START + 100,
+    reason="this host's ephemeral range leaves no window below it",
+)
+def test_a_port_window_of_its_own_for_each_of_two_test_processes(monkeypatch):
+    top = su.ephemeral_port_range()[0]
+    mid = (su.LISTEN_WINDOW_START + top) // 2
+    monkeypatch.setenv(su.PORT_WINDOW_ENV, f"{su.LISTEN_WINDOW_START}-{mid}")
+    assert su.listen_window() == (su.LISTEN_WINDOW_START, mid)
+    assert all(su.LISTEN_WINDOW_START <= p < mid for p in su.free_ports(40))
+    monkeypatch.setenv(su.PORT_WINDOW_ENV, f"{mid}-70000")  # clipped at the ephemeral range
+    assert su.listen_window() == (mid, top)
+    assert all(mid <= p < top for p in su.free_ports(40))
+    monkeypatch.setenv(su.PORT_WINDOW_ENV, "31000")
+    with pytest.raises(ValueError, match="AFD_PORT_WINDOW='31000': expected LO-HI"):
+        su.free_ports(1)
 
 
 def test_cuda_visible_devices_of_afd_roles_and_plain_engines():
