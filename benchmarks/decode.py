@@ -43,6 +43,7 @@ from serve_util import (  # noqa: E402
     cuda_visible_devices,
     dummy_routing_note,
     free_port,
+    median_run,
     routing_env,
     shared_gpu_note,
 )
@@ -185,8 +186,8 @@ def run_generate(a) -> int:
         llm.start_profile()
         timed(BREAKDOWN_DELAY + a.breakdown_steps + 3)
         llm.stop_profile()
-    Path(a.out).write_text(json.dumps({"prefill_s": t_prefill, "full_s": t_full,
-                                       "tpot_s": tpot}))
+    Path(a.out).write_text(json.dumps({"prefill_s": t_prefill, "half_s": t_half,
+                                       "full_s": t_full, "tpot_s": tpot}))
     return 0
 
 
@@ -371,6 +372,33 @@ def decode_tok_s(r: dict, batch: int) -> float:
     return r.get("decode_tok_s", batch / r["tpot_s"])
 
 
+def summarize(results: list[dict], batches: list[int], routings: list[str],
+              modes: list[str]) -> list[dict]:
+    """One row per (batch, routing, mode): its median run by decode throughput (of an even
+    number of runs, the slower of the middle two), the range of its runs' TPOT, and the
+    throughput against plain vLLM's median run of the same batch and routing (None without
+    a plain run)."""
+    rows = []
+    for batch in batches:
+        for routing in routings:
+            median = {}
+            for mode in modes:
+                runs = [r for r in results
+                        if (r["batch"], r["routing"], r["mode"]) == (batch, routing, mode)]
+                median[mode] = (median_run(runs, lambda r, b=batch: decode_tok_s(r, b)),
+                                [r["tpot_s"] for r in runs])  # fmt: skip
+            plain = decode_tok_s(median["plain"][0], batch) if "plain" in median else None
+            for mode in modes:
+                run, tpots = median[mode]
+                tok_s = decode_tok_s(run, batch)
+                rows.append({"batch": batch, "routing": routing, "mode": mode,
+                             "runs": len(tpots), "tpot_s": run["tpot_s"],
+                             "tpot_min_s": min(tpots), "tpot_max_s": max(tpots),
+                             "decode_tok_s": tok_s,
+                             "vs_plain": tok_s / plain if plain else None})  # fmt: skip
+    return rows
+
+
 class BreakdownError(RuntimeError):
     pass
 
@@ -411,6 +439,10 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="best of N timings")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="start every (batch, mode) engine N times, the modes' order reversed "
+                        "every other round; the table gives each mode's median run (by "
+                        "throughput) and the range of the runs' TPOT")
     p.add_argument("--routing", choices=["model", "balanced", "both"], default="model")
     p.add_argument("--modes", default="plain,afd",
                    help="comma list of plain, afd, afd_dbo (AFD with --enable-dbo on the "
@@ -483,6 +515,11 @@ def main() -> int:
     batches = [int(b) for b in a.batches.split(",")] if a.batches else [a.batch]
     if any(b < 1 for b in batches):
         p.error("batch sizes must be positive")
+    if len(set(batches)) < len(batches):
+        p.error(f"--batches {a.batches}: a batch size given twice (--rounds N measures each "
+                "N times)")
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
     common = ["--model", a.model, "--load-format", a.load_format, "--dtype", a.dtype,
               "--input-len", str(a.input_len),
               "--output-len", str(a.output_len), "--repeats", str(a.repeats)]
@@ -501,6 +538,8 @@ def main() -> int:
     bad = set(modes) - {"plain", "afd", "afd_dbo"}
     if bad:
         p.error(f"unknown mode(s) {sorted(bad)}")
+    if len(set(modes)) < len(modes):
+        p.error(f"--modes {a.modes}: a mode given twice (--rounds N measures each N times)")
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
           f"device {a.device}; model {a.model} ({a.load_format}, {a.dtype}); batches {batches}, "
           f"input {a.input_len}, output {a.output_len}; connector {a.connector}; "
@@ -526,29 +565,30 @@ def main() -> int:
         for batch in batches:
             base = [*common, "--batch", str(batch)]
             for routing in routings:
-                for mode in modes:
-                    t0 = time.perf_counter()
-                    r = measure(a, base, mode, routing, Path(tmp), batch)
-                    r.update(mode=mode, routing=routing, batch=batch,
-                             wall_s=time.perf_counter() - t0)
-                    results.append(r)
-                    print(f"  batch {batch:4d} {mode:7s} routing={routing:8s} "
-                          f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  decode {decode_tok_s(r, batch):9.1f} "
-                          f"tok/s  prefill {r['prefill_s']:.3f} s  ({r['wall_s']:.0f} s)",
-                          flush=True)
+                for rnd in range(a.rounds):
+                    for mode in modes if rnd % 2 == 0 else modes[::-1]:
+                        t0 = time.perf_counter()
+                        r = measure(a, base, mode, routing, Path(tmp), batch)
+                        r.update(mode=mode, routing=routing, batch=batch, round=rnd,
+                                 wall_s=time.perf_counter() - t0)
+                        results.append(r)
+                        print(f"  batch {batch:4d} {mode:7s} routing={routing:8s} "
+                              f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  decode "
+                              f"{decode_tok_s(r, batch):9.1f} tok/s  prefill "
+                              f"{r['prefill_s']:.3f} s  ({r['wall_s']:.0f} s"
+                              + (f", round {rnd + 1}/{a.rounds})" if a.rounds > 1 else ")"),
+                              flush=True)
+    summary = summarize(results, batches, routings, modes)
+    span = f", median of {a.rounds} rounds (range)" if a.rounds > 1 else ""
     print(f"\nbatch routing   mode      TPOT ms     tok/s   vs plain (throughput ratio)"
-          f"   [{a.engines} engine(s) per mode" + (f", {'MPS' if a.mps else 'no MPS'}]"
-                                                   if a.device == "cuda" else "]"))
-    for batch in batches:
-        for routing in routings:
-            by = {r["mode"]: r for r in results
-                  if r["routing"] == routing and r["batch"] == batch}
-            pl = decode_tok_s(by["plain"], batch) if "plain" in by else None
-            for mode in modes:
-                t, tps = by[mode]["tpot_s"], decode_tok_s(by[mode], batch)
-                ratio = f"{tps / pl:6.2f}x" if pl else "-"
-                print(f"{batch:5d} {routing:9s} {mode:8s} {t * 1e3:8.2f} {tps:9.1f}   "
-                      f"{ratio}")
+          f"   [{a.engines} engine(s) per mode" + (f", {'MPS' if a.mps else 'no MPS'}"
+                                                   if a.device == "cuda" else "") + f"{span}]")
+    for row in summary:
+        ratio = f"{row['vs_plain']:6.2f}x" if row["vs_plain"] is not None else "-"
+        spread = (f"   ({row['tpot_min_s'] * 1e3:.2f}-{row['tpot_max_s'] * 1e3:.2f} ms)"
+                  if a.rounds > 1 else "")
+        print(f"{row['batch']:5d} {row['routing']:9s} {row['mode']:8s} "
+              f"{row['tpot_s'] * 1e3:8.2f} {row['decode_tok_s']:9.1f}   {ratio}{spread}")
     with_bd = [r for r in results if "breakdown" in r]
     if with_bd:
         print("\nper-layer breakdown (us per step; benchmarks/breakdown.py): attention, FFN "
@@ -561,8 +601,9 @@ def main() -> int:
                   f"{c['transfer']:8.1f}  bound {c['bound']:9.1f}  step {c['step']:9.1f}  "
                   f"gap {c['gap %']:5.1f}%  ({layers:g} exchanges/step)")
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "mps": a.mps,
-                                            "engines": a.engines, "results": results}, indent=1))
+        Path(a.json).write_text(json.dumps({"args": vars(a), "mps": a.mps, "engines": a.engines,
+                                            "rounds": a.rounds, "summary": summary,
+                                            "results": results}, indent=1))
     failed = [r for r in results if "breakdown_error" in r]
     for r in failed:
         print(f"breakdown failed: batch {r['batch']} {r['mode']}: {r['breakdown_error']}",

@@ -237,14 +237,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mps", action="store_true",
                    help="CUDA: run every server under the CUDA MPS control daemon (started "
                    "and stopped here; benchmarks/mps.py): processes sharing a GPU run at once")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="start every mode's servers N times, the modes' order reversed every "
+                   "other round; the table gives each mode's median run by output throughput "
+                   "(one H200's engines differed by several percent from start to start)")
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
     if a.mps and a.device != "cuda":
         p.error("--mps needs --device cuda")
     modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         p.error(f"--modes: unknown {bad} (choose from {', '.join(MODES)})")
+    if len(set(modes)) < len(modes):
+        p.error(f"--modes {a.modes}: a mode given twice (--rounds N measures each N times)")
     if "plain_x2" in modes and (a.device != "cuda" or (a.attention_gpu == a.ffn_gpu
                                                        and not a.mps)):
         p.error("--modes plain_x2 needs two GPUs (--device cuda, --attention-gpu and "
@@ -280,29 +288,45 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(mps_env)  # every server this run starts inherits it
         work = Path(a.log_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        for mode in a.modes:
-            print(f"{mode}:", flush=True)
-            t0 = time.perf_counter()
-            try:
-                fig = measure(a, mode, work / mode)
-            except (BenchError, su.ServerDied) as e:
-                print(f"{mode} failed: {e}", file=sys.stderr, flush=True)
-                return 1
-            fig.update(mode=mode, wall_s=time.perf_counter() - t0)
-            results.append(fig)
-            write_json(a, results)  # each mode as it ends: a run cut short keeps them
-            print(f"  {mode:9s} output {fig['output_throughput']:9.1f} tok/s  "
-                  f"TPOT mean {fig.get('mean_tpot_ms', float('nan')):7.2f} ms  "
-                  f"TTFT mean {fig.get('mean_ttft_ms', float('nan')):8.1f} ms  "
-                  f"({fig['wall_s']:.0f} s)", flush=True)
-    base = next((r for r in results if r["mode"] == "plain"), None)
-    print("\nmode       output tok/s   vs plain   mean TPOT ms   mean TTFT ms")
-    for r in results:
-        ratio = f"{r['output_throughput'] / base['output_throughput']:7.2f}x" if base else "-"
-        print(f"{r['mode']:10s} {r['output_throughput']:12.1f}   {ratio:>8s}   "
-              f"{r.get('mean_tpot_ms', float('nan')):12.2f}   "
-              f"{r.get('mean_ttft_ms', float('nan')):12.1f}")
+        for rnd in range(a.rounds):
+            for mode in a.modes if rnd % 2 == 0 else a.modes[::-1]:
+                name = mode if a.rounds == 1 else f"{mode}-{rnd + 1}"
+                print(f"{name}:", flush=True)
+                t0 = time.perf_counter()
+                try:
+                    fig = measure(a, mode, work / name)
+                except (BenchError, su.ServerDied) as e:
+                    print(f"{name} failed: {e}", file=sys.stderr, flush=True)
+                    return 1
+                fig.update(mode=mode, round=rnd, wall_s=time.perf_counter() - t0)
+                results.append(fig)
+                write_json(a, results)  # each run as it ends: a run cut short keeps them
+                print(f"  {name:9s} output {fig['output_throughput']:9.1f} tok/s  "
+                      f"TPOT mean {fig.get('mean_tpot_ms', float('nan')):7.2f} ms  "
+                      f"TTFT mean {fig.get('mean_ttft_ms', float('nan')):8.1f} ms  "
+                      f"({fig['wall_s']:.0f} s)", flush=True)
+    print_table(a, results)
     return 0
+
+
+def median_runs(results: list[dict], modes: list[str]) -> dict[str, dict]:
+    """Each mode's median run by output throughput (su.median_run)."""
+    return {m: su.median_run([r for r in results if r["mode"] == m],
+                             lambda r: r["output_throughput"]) for m in modes}  # fmt: skip
+
+
+def print_table(a, results: list[dict]) -> None:
+    median = median_runs(results, a.modes)
+    base = median.get("plain")
+    span = f"   [median of {a.rounds} rounds]" if a.rounds > 1 else ""
+    print(f"\nmode       output tok/s   vs plain   mean TPOT ms   mean TTFT ms{span}")
+    for mode, r in median.items():
+        ratio = f"{r['output_throughput'] / base['output_throughput']:7.2f}x" if base else "-"
+        runs = sorted(x["output_throughput"] for x in results if x["mode"] == mode)
+        spread = f"   ({runs[0]:.1f}-{runs[-1]:.1f} tok/s)" if len(runs) > 1 else ""
+        print(f"{mode:10s} {r['output_throughput']:12.1f}   {ratio:>8s}   "
+              f"{r.get('mean_tpot_ms', float('nan')):12.2f}   "
+              f"{r.get('mean_ttft_ms', float('nan')):12.1f}{spread}")
 
 
 def write_json(a, results: list[dict]) -> None:

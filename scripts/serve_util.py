@@ -38,6 +38,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -788,6 +789,14 @@ def max_logprob_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> fl
                 d = max(0.0, y[k] - min_x)
             worst = max(worst, d)
     return worst
+
+
+def median_run(runs: list[dict], value: Callable[[dict], float]) -> dict:
+    """The benchmark run of median ``value`` (of an even number, the lower of the middle
+    two): a run that was measured, not an average of two (benchmarks' --rounds)."""
+    if not runs:
+        raise ValueError("median_run: no runs")
+    return sorted(runs, key=value)[(len(runs) - 1) // 2]
 
 
 # ---------------------------------------------------------------------------- checks

@@ -29,6 +29,8 @@ def run(args: list[str], env=None, timeout=600) -> subprocess.CompletedProcess:
          r"plain_x2 needs two GPUs"),
         (["--output-len", "1"], r"--output-len at least 2"),
         (["--warmups", "-1"], r"--warmups must be at least 0"),
+        (["--rounds", "0"], r"--rounds must be at least 1"),
+        (["--modes", "plain,afd,plain"], r"a mode given twice"),
     ],
 )
 def test_bad_arguments_are_refused(args, message, tmp_path):
