@@ -243,16 +243,19 @@ def tail(path: Path, n: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
-def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch: int) -> dict:
+def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch: int,
+            rnd: int = 0) -> dict:
     """One configuration: plain (``--engines`` replicas at once) or AFD (one FFN rank serving
-    ``--engines`` attention ranks). Per engine its TPOT; the result adds them up."""
+    ``--engines`` attention ranks) in round ``rnd`` (its logs and traces named apart). Per
+    engine its TPOT; the result adds them up."""
     afd = mode != "plain"
     env = dict(os.environ)
     if a.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.update(routing_env(routing))
-    tag = f"{mode}_{routing}_b{batch}" + (f"_m{a.engines}" if a.engines > 1 else "")
+    tag = (f"{mode}_{routing}_b{batch}" + (f"_m{a.engines}" if a.engines > 1 else "")
+           + (f"_r{rnd + 1}" if a.rounds > 1 else ""))
     want_bd = afd and a.breakdown_steps > 0
     ffn = None
     args = list(base_args)
@@ -568,7 +571,7 @@ def main() -> int:
                 for rnd in range(a.rounds):
                     for mode in modes if rnd % 2 == 0 else modes[::-1]:
                         t0 = time.perf_counter()
-                        r = measure(a, base, mode, routing, Path(tmp), batch)
+                        r = measure(a, base, mode, routing, Path(tmp), batch, rnd)
                         r.update(mode=mode, routing=routing, batch=batch, round=rnd,
                                  wall_s=time.perf_counter() - t0)
                         results.append(r)
@@ -596,7 +599,8 @@ def main() -> int:
         for r in with_bd:
             c = r["breakdown"]["combined_us"]
             layers = r["breakdown"]["attention"]["layers_per_step"]
-            print(f"{r['batch']:5d} {r['routing']:9s} {r['mode']:8s} attention "
+            rnd = f" round {r['round'] + 1}" if a.rounds > 1 else ""
+            print(f"{r['batch']:5d} {r['routing']:9s} {r['mode']:8s}{rnd} attention "
                   f"{c['attention']:9.1f}  FFN {c['ffn compute']:9.1f}  transfer "
                   f"{c['transfer']:8.1f}  bound {c['bound']:9.1f}  step {c['step']:9.1f}  "
                   f"gap {c['gap %']:5.1f}%  ({layers:g} exchanges/step)")
