@@ -21,7 +21,7 @@ def run(batch: int, mode: str, tpot_ms: float, rnd: int) -> dict:
 
 
 def test_medians_ranges_and_ratio_from_the_medians():
-    # Three rounds at batch 16 (one slow engine per mode), one at batch 64.
+    # Three rounds at batch 16 (one slow AFD engine), one at batch 64.
     results = [run(16, "plain", t, i) for i, t in enumerate((9.57, 8.79, 9.25))]
     results += [run(16, "afd", t, i) for i, t in enumerate((8.87, 11.44, 9.48))]
     results += [run(64, "plain", 10.0, 0), run(64, "afd", 10.5, 0)]
