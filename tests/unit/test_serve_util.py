@@ -10,12 +10,13 @@ import pytest
 import serve_util as su
 
 HOST = "127.0.0.1"
-
-
-@pytest.mark.skipif(
+needs_window = pytest.mark.skipif(
     su.ephemeral_port_range()[0] < su.LISTEN_WINDOW_START + 100,
     reason="this host's ephemeral range leaves no window below it",
 )
+
+
+@needs_window
 def test_free_ports_lie_below_the_ephemeral_range():
     lo, hi = su.listen_window()
     assert su.LISTEN_WINDOW_START <= lo < hi <= su.ephemeral_port_range()[0]
@@ -52,10 +53,7 @@ def test_internal_port_bases_never_repeat_within_50_servers(monkeypatch):
     assert len(set(bases)) == 100  # every base is used again later
 
 
-@pytest.mark.skipif(
-    su.ephemeral_port_range()[0] < su.LISTEN_WINDOW_START + 100,
-    reason="this host's ephemeral range leaves no window below it",
-)
+@needs_window
 def test_a_long_session_does_not_run_out_of_ports(monkeypatch):
     monkeypatch.setattr(su, "_HANDED_OUT", set())
     lo, hi = su.listen_window()
@@ -63,10 +61,7 @@ def test_a_long_session_does_not_run_out_of_ports(monkeypatch):
     assert all(lo <= p < hi for p in got)
 
 
-@pytest.mark.skipif(
-    su.ephemeral_port_range()[0] < su.LISTEN_WINDOW_START + 100,
-    reason="this host's ephemeral range leaves no window below it",
-)
+@needs_window
 def test_a_port_window_of_its_own_for_each_of_two_test_processes(monkeypatch):
     # Halves of this process's own window (make test gives the unit tests a part of it).
     monkeypatch.setattr(su, "_HANDED_OUT", set())
