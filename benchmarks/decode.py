@@ -44,6 +44,7 @@ from serve_util import (  # noqa: E402
     dummy_routing_note,
     free_port,
     median_run,
+    rounds_of,
     routing_env,
     shared_gpu_note,
 )
@@ -568,19 +569,18 @@ def main() -> int:
         for batch in batches:
             base = [*common, "--batch", str(batch)]
             for routing in routings:
-                for rnd in range(a.rounds):
-                    for mode in modes if rnd % 2 == 0 else modes[::-1]:
-                        t0 = time.perf_counter()
-                        r = measure(a, base, mode, routing, Path(tmp), batch, rnd)
-                        r.update(mode=mode, routing=routing, batch=batch, round=rnd,
-                                 wall_s=time.perf_counter() - t0)
-                        results.append(r)
-                        print(f"  batch {batch:4d} {mode:7s} routing={routing:8s} "
-                              f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  decode "
-                              f"{decode_tok_s(r, batch):9.1f} tok/s  prefill "
-                              f"{r['prefill_s']:.3f} s  ({r['wall_s']:.0f} s"
-                              + (f", round {rnd + 1}/{a.rounds})" if a.rounds > 1 else ")"),
-                              flush=True)
+                for rnd, mode in rounds_of(modes, a.rounds):
+                    t0 = time.perf_counter()
+                    r = measure(a, base, mode, routing, Path(tmp), batch, rnd)
+                    r.update(mode=mode, routing=routing, batch=batch, round=rnd,
+                             wall_s=time.perf_counter() - t0)
+                    results.append(r)
+                    print(f"  batch {batch:4d} {mode:7s} routing={routing:8s} "
+                          f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  decode "
+                          f"{decode_tok_s(r, batch):9.1f} tok/s  prefill "
+                          f"{r['prefill_s']:.3f} s  ({r['wall_s']:.0f} s"
+                          + (f", round {rnd + 1}/{a.rounds})" if a.rounds > 1 else ")"),
+                          flush=True)
     summary = summarize(results, batches, routings, modes)
     span = f", median of {a.rounds} rounds (range)" if a.rounds > 1 else ""
     print(f"\nbatch routing   mode      TPOT ms     tok/s   vs plain (throughput ratio)"

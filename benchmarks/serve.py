@@ -288,23 +288,22 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(mps_env)  # every server this run starts inherits it
         work = Path(a.log_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        for rnd in range(a.rounds):
-            for mode in a.modes if rnd % 2 == 0 else a.modes[::-1]:
-                name = mode if a.rounds == 1 else f"{mode}-{rnd + 1}"
-                print(f"{name}:", flush=True)
-                t0 = time.perf_counter()
-                try:
-                    fig = measure(a, mode, work / name)
-                except (BenchError, su.ServerDied) as e:
-                    print(f"{name} failed: {e}", file=sys.stderr, flush=True)
-                    return 1
-                fig.update(mode=mode, round=rnd, wall_s=time.perf_counter() - t0)
-                results.append(fig)
-                write_json(a, results)  # each run as it ends: a run cut short keeps them
-                print(f"  {name:9s} output {fig['output_throughput']:9.1f} tok/s  "
-                      f"TPOT mean {fig.get('mean_tpot_ms', float('nan')):7.2f} ms  "
-                      f"TTFT mean {fig.get('mean_ttft_ms', float('nan')):8.1f} ms  "
-                      f"({fig['wall_s']:.0f} s)", flush=True)
+        for rnd, mode in su.rounds_of(a.modes, a.rounds):
+            name = mode if a.rounds == 1 else f"{mode}-{rnd + 1}"
+            print(f"{name}:", flush=True)
+            t0 = time.perf_counter()
+            try:
+                fig = measure(a, mode, work / name)
+            except (BenchError, su.ServerDied) as e:
+                print(f"{name} failed: {e}", file=sys.stderr, flush=True)
+                return 1
+            fig.update(mode=mode, round=rnd, wall_s=time.perf_counter() - t0)
+            results.append(fig)
+            write_json(a, results)  # each run as it ends: a run cut short keeps them
+            print(f"  {name:9s} output {fig['output_throughput']:9.1f} tok/s  "
+                  f"TPOT mean {fig.get('mean_tpot_ms', float('nan')):7.2f} ms  "
+                  f"TTFT mean {fig.get('mean_ttft_ms', float('nan')):8.1f} ms  "
+                  f"({fig['wall_s']:.0f} s)", flush=True)
     print_table(a, results)
     return 0
 

@@ -791,6 +791,13 @@ def max_logprob_diff(a: list[dict[str, float]], b: list[dict[str, float]]) -> fl
     return worst
 
 
+def rounds_of(modes: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, mode) in the order benchmarks' --rounds runs them: the modes' order reversed
+    every other round, so that no mode always runs first on a freshly warmed machine."""
+    return [(rnd, mode) for rnd in range(rounds)
+            for mode in (modes if rnd % 2 == 0 else modes[::-1])]  # fmt: skip
+
+
 def median_run(runs: list[dict], value: Callable[[dict], float]) -> dict:
     """The benchmark run of median ``value`` (of an even number, the lower of the middle
     two): a run that was measured, not an average of two (benchmarks' --rounds)."""

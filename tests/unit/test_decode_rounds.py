@@ -80,3 +80,11 @@ def test_serving_rounds_table_gives_median_runs_and_their_range(tmp_path, capsys
     out = capsys.readouterr().out
     assert "[median of 3 rounds]" in out
     assert re.search(r"afd\s+5650\.0\s+0\.99x\s+10\.80\s+100\.0\s+\(5500\.0-5800\.0 tok/s\)", out), out
+
+
+def test_rounds_alternate_the_modes_order():
+    import serve_util as su
+
+    assert su.rounds_of(["plain", "afd"], 3) == [
+        (0, "plain"), (0, "afd"), (1, "afd"), (1, "plain"), (2, "plain"), (2, "afd")]
+    assert su.rounds_of(["afd"], 1) == [(0, "afd")]
