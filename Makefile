@@ -81,14 +81,16 @@ test-cpu: models ## real vLLM on the CPU: plain checkpoints and the AFD oracle
 # The unit tests (about two minutes on one core) run beside the CPU tests, whose engines
 # leave a core idle while they start, wait or restart; their output follows the CPU tests'.
 # Each of the two pytest runs hands out listen ports from its own part of the window
-# (AFD_PORT_WINDOW, scripts/serve_util.py).
+# (AFD_PORT_WINDOW, scripts/serve_util.py): the CPU tests below TEST_PORT_SPLIT, the unit
+# tests from it up (serve_util clips the top at the kernel's ephemeral range).
+TEST_PORT_SPLIT = 31500
 test: fetch models ## everything CI runs: lint, make check, unit and CPU tests
 	$(MAKE) lint
 	$(MAKE) check
 	@unit_log=$$(mktemp); \
-	AFD_PORT_WINDOW=31500-32768 $(VPY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS) \
+	AFD_PORT_WINDOW=$(TEST_PORT_SPLIT)-65536 $(VPY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS) \
 		> "$$unit_log" 2>&1 & unit=$$!; \
-	AFD_PORT_WINDOW=30100-31500 $(VPY) -m pytest -q --durations=30 tests/cpu $(PYTEST_ARGS); \
+	AFD_PORT_WINDOW=30100-$(TEST_PORT_SPLIT) $(VPY) -m pytest -q --durations=30 tests/cpu $(PYTEST_ARGS); \
 	cpu_rc=$$?; wait $$unit; unit_rc=$$?; \
 	echo "--- tests/unit (ran beside tests/cpu): exit $$unit_rc"; cat "$$unit_log"; rm -f "$$unit_log"; \
 	echo "tests/cpu: exit $$cpu_rc, tests/unit: exit $$unit_rc"; \
