@@ -10,12 +10,18 @@
         --dtype bfloat16 --batches 16,64,256 --input-len 64 --output-len 256 \\
         --connector cuda_ipc --compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}'
 
-Per configuration (plain, then AFD; for each routing asked for) one engine generates
-``--batch`` requests of ``--input-len`` random prompt tokens twice: with 1 output token
-(prefill only) and with ``--output-len`` tokens (``ignore_eos``). The decode time per step
-(TPOT) is the difference divided by ``output-len - 1``; decode throughput is
-``batch / TPOT``. Engines run in child processes (one per role), so each figure starts from a
-fresh process; plain and AFD share the machine one after the other, never at once.
+Per configuration (plain, then AFD; for each routing asked for) one engine warms up, then
+generates ``--batch`` requests of ``--input-len`` random prompt tokens ``--repeats`` times
+each with 1 output token (prefill only), with half of ``--output-len`` and with
+``--output-len`` tokens (``ignore_eos``), each output step's arrival timed. TPOT is vLLM's
+serving benchmark's: from the step that gave every request its first token to the last one,
+over the ``output-len - 1`` steps between, the best of the full-length runs; decode
+throughput is ``batch / TPOT``. The JSON also keeps each of those runs' TPOT, time to first
+token and step intervals, and the earlier estimate from two lengths (``tpot_diff_s``:
+the full and the half-length generation's difference over the steps between; their prefills
+cancel, but the noise of both runs is divided by only half the steps). Engines run in child
+processes (one per role), so each figure starts from a fresh process; plain and AFD share
+the machine one after the other, never at once.
 
 ``--routing balanced`` sets ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY=afd_balanced`` (expert
 load spread evenly; changes outputs, benchmarks only); ``model`` uses the checkpoint's
@@ -29,11 +35,13 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 # Ports below the ephemeral range (scripts/serve_util.py says why).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -145,11 +153,40 @@ def engine_kwargs(a) -> dict:
 
 
 # ------------------------------------------------------------------ child roles
+class Run(NamedTuple):
+    """One timed generation: its wall time and, per output step, the seconds since it began
+    and the fewest tokens any request had by then."""
+
+    wall_s: float
+    stamps: list[tuple[float, int]]
+
+
+def decode_times(stamps: list[tuple[float, int]], n: int) -> dict:
+    """The decode of one generation of ``n`` tokens per request (``Run.stamps``): the time
+    until every request had its first token, the TPOT as vLLM's serving benchmark defines
+    it (first to last token over the ``n - 1`` steps between, here for the batch as a
+    whole), and the intervals between those steps with their median."""
+    if n < 2:
+        raise ValueError("a decode needs at least 2 tokens per request")
+    reached: dict[int, float] = {}
+    for t, k in stamps:
+        reached.setdefault(k, t)
+    if sorted(k for k in reached if k >= 1) != list(range(1, n + 1)):
+        raise ValueError(f"the output steps do not advance every request by one token "
+                         f"each step (fewest tokens seen: {sorted(reached)})")
+    times = [reached[k] for k in range(1, n + 1)]
+    steps = [b - a for a, b in zip(times, times[1:])]
+    return {"first_token_s": times[0], "tpot_s": (times[-1] - times[0]) / (n - 1),
+            "itl_median_s": statistics.median(steps),
+            "step_s": [round(x, 6) for x in steps]}
+
+
 def run_generate(a) -> int:
     import random
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     llm = LLM(**engine_kwargs(a))
     vocab = llm.get_tokenizer().vocab_size
@@ -159,36 +196,55 @@ def run_generate(a) -> int:
                for _ in range(a.batch)]
 
     phases = iter(range(1_000_000))
+    engine = llm.llm_engine
 
-    def timed(n: int) -> float:
-        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        barrier(f"run{next(phases)}")
+    def timed(n: int) -> Run:
+        """Every prompt generates ``n`` tokens, through the engine's own step loop (what
+        ``LLM.generate`` runs) so that each output step's arrival is timed."""
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+        phase = f"run{next(phases)}"
+        barrier(phase)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return dt
+        got = {f"{phase}-{i}": 0 for i in range(len(prompts))}
+        for rid, prompt in zip(got, prompts):
+            engine.add_request(rid, prompt, sp)
+        stamps: list[tuple[float, int]] = []
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if outs:
+                for o in outs:
+                    got[o.request_id] += len(o.outputs[0].token_ids)
+                stamps.append((time.perf_counter() - t0, min(got.values())))
+        wall = time.perf_counter() - t0
+        assert all(k == n for k in got.values()), got
+        return Run(wall, stamps)
 
     # Warm-up with some decode steps: an FFN rank captures a graph for a step's shape (and,
     # with several attention ranks, for each set of ranks a pass joins) on its second eager
     # sight, so one decode step left those captures inside the first timed run (on the H200
     # a 2A1F run at batch 64 gave 1.05x with --repeats 1 and 1.45x as best of 2).
     timed(min(a.output_len, WARMUP_TOKENS))
-    t_prefill = min(timed(1) for _ in range(a.repeats))
-    # TPOT from two generations of different lengths: their prefills cancel (a prefill
-    # alone, max_tokens 1, once took 0.81 s where the full run's took about 0.13 s -
-    # plain vLLM at batch 16 on one H200 - and its difference gave 4.09 ms for 9.5).
+    t_prefill = min(timed(1).wall_s for _ in range(a.repeats))
     half = max(1, a.output_len // 2)
-    t_half = min(timed(half) for _ in range(a.repeats)) if half > 1 else t_prefill
-    t_full = min(timed(a.output_len) for _ in range(a.repeats))
-    tpot = (t_full - t_half) / (a.output_len - half)
+    halves = [timed(half) for _ in range(a.repeats)] if half > 1 else []
+    fulls = [timed(a.output_len) for _ in range(a.repeats)]
+    t_half = min(r.wall_s for r in halves) if halves else t_prefill
+    t_full = min(r.wall_s for r in fulls)
+    runs = [decode_times(r.stamps, a.output_len) for r in fulls]
     if a.profile_dir:
         # After the timed runs: the profiler slows both roles down.
         llm.start_profile()
         timed(BREAKDOWN_DELAY + a.breakdown_steps + 3)
         llm.stop_profile()
-    Path(a.out).write_text(json.dumps({"prefill_s": t_prefill, "half_s": t_half,
-                                       "full_s": t_full, "tpot_s": tpot}))
+    best = min(runs, key=lambda r: r["tpot_s"])
+    Path(a.out).write_text(json.dumps({
+        # The best full-length run's figures, and every full-length run's.
+        **{k: v for k, v in best.items() if k != "step_s"}, "full_runs": runs,
+        # The earlier estimate from two lengths: their prefills cancel, but the noise of
+        # both runs is divided by only the steps between them.
+        "tpot_diff_s": (t_full - t_half) / (a.output_len - half),
+        "prefill_s": t_prefill, "half_s": t_half, "full_s": t_full}))
     return 0
 
 
@@ -360,14 +416,14 @@ def run_engines(a, args: list[str], env: dict, tag: str, work: Path, afd: bool) 
 
 
 def combine(per_engine: list[dict], batch: int) -> dict:
-    """One engine: its figures. Several: decode throughput is the sum of theirs, TPOT and
-    prefill the mean (``engines`` keeps each one's)."""
+    """One engine: its figures. Several: decode throughput is the sum of theirs, the times
+    the mean (``engines`` keeps each one's)."""
     if len(per_engine) == 1:
         return dict(per_engine[0])
     n = len(per_engine)
-    return {"tpot_s": sum(r["tpot_s"] for r in per_engine) / n,
-            "prefill_s": sum(r["prefill_s"] for r in per_engine) / n,
-            "full_s": sum(r["full_s"] for r in per_engine) / n,
+    mean = {key: sum(r[key] for r in per_engine) / n
+            for key in ("tpot_s", "itl_median_s", "tpot_diff_s", "prefill_s", "full_s")}
+    return {**mean,
             "decode_tok_s": sum(batch / r["tpot_s"] for r in per_engine),
             "engines": per_engine}
 
@@ -576,7 +632,9 @@ def main() -> int:
                              wall_s=time.perf_counter() - t0)
                     results.append(r)
                     print(f"  batch {batch:4d} {mode:7s} routing={routing:8s} "
-                          f"TPOT {r['tpot_s'] * 1e3:8.2f} ms  decode "
+                          f"TPOT {r['tpot_s'] * 1e3:8.2f} ms (median step "
+                          f"{r['itl_median_s'] * 1e3:.2f}, two lengths "
+                          f"{r['tpot_diff_s'] * 1e3:.2f})  decode "
                           f"{decode_tok_s(r, batch):9.1f} tok/s  prefill "
                           f"{r['prefill_s']:.3f} s  ({r['wall_s']:.0f} s"
                           + (f", round {rnd + 1}/{a.rounds})" if a.rounds > 1 else ")"),

@@ -27,6 +27,12 @@ def test_decode_breakdown_of_profiled_steps(models_dir, tmp_path, mode):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (r,) = json.loads(out.read_text())["results"]
+    # The TPOT from the engine's own output steps (decode.decode_times): the one full-length
+    # run's 7 step intervals, first to last token.
+    (run,) = r["full_runs"]
+    assert len(run["step_s"]) == 7 and min(run["step_s"]) > 0, run
+    assert r["tpot_s"] == run["tpot_s"] == pytest.approx(sum(run["step_s"]) / 7, abs=1e-6)
+    assert 0 < r["first_token_s"] < r["full_s"] - 7 * r["tpot_s"] + 1e-6
     bd = r["breakdown"]
     att, ffn, c = bd["attention"], bd["ffn"], bd["combined_us"]
     assert att["source"] == ffn["source"] == "host"
