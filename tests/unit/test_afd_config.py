@@ -183,6 +183,8 @@ BAD = [
      r"connector_extra_config\.ffn_cuda_graph_max_tokens must be a non-negative integer; got -1"),
     ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graph_max_count": 2.5}},
      r"connector_extra_config\.ffn_cuda_graph_max_count must be a non-negative integer; got 2\.5"),
+    ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graph_window": "8"}},
+     r"connector_extra_config\.ffn_cuda_graph_window must be a non-negative integer; got '8'"),
     ({"role": "ffn", "connector": None}, r"'connector' must be a string; got NoneType"),
     ({"role": "ffn", "host": ""}, r"'host' must not be empty"),
     ({"role": "ffn", "host": "   "}, r"'host' must not be empty"),

@@ -20,11 +20,12 @@ class _Graph:
 
 
 class _Runner(ffn_runner.FFNModelRunner):
-    def __init__(self, max_tokens=16, max_count=2):
+    def __init__(self, max_tokens=16, max_count=2, window=16):
         # Only what the cache policy reads (no model, no connector start).
         self.graphs_enabled = True
         self.graph_max_tokens = max_tokens
         self.graph_max_count = max_count
+        self.graph_window = window
         self.max_pass_tokens = 64
         self.graphs, self._graph_seen, self._graph_gen = {}, {}, -1
         self.graph_replays = self.steps_served = self.batched_steps = self.ubatched_steps = 0
@@ -83,6 +84,54 @@ def test_a_step_is_captured_the_second_time_and_replayed_after():
         r._run_step(_step((0, 4)))
     assert len(r.eager) == 2 and r.graphs[((0, 4),)].replays == 3 and r.graph_replays == 3
     assert r.steps_served == 5
+
+
+def test_a_shape_that_comes_back_once_a_generation_stays_eager():
+    # decode.py's generations on one H200: the first prefill step caught the first prompt
+    # (64 tokens), the next one the other 15 (960, above the graph limit), then 127 decode
+    # steps of 16 tokens. Captured: the decode steps only; the 64-token step came back
+    # 129 passes later each time and stayed eager, where it used to be captured (a
+    # 50-75 ms stall) inside a timed generation.
+    r = _Runner(max_tokens=512, max_count=64, window=16)
+    r.max_pass_tokens = 1024  # the engine's max_num_batched_tokens
+    for _ in range(3):
+        r._run_step(_step((0, 64)))
+        r._run_step(_step((0, 960)))
+        for _ in range(127):
+            r._run_step(_step((0, 16)))
+    assert r.captured == [((0, 16),)]
+    assert r.eager.count(((0, 64),)) == 3 and r.eager.count(((0, 16),)) == 2
+    assert r.graphs[((0, 16),)].replays == 3 * 127 - 2
+
+
+def test_the_window_counts_every_pass_and_ranks_taking_turns_recur():
+    r = _Runner(max_tokens=512, max_count=64, window=4)
+    r._run_step(_step((0, 8)))
+    for _ in range(4):
+        r._run_step(_step((0, 2)))  # captured on its second pass, replayed after
+    r._run_step(_step((0, 8)))  # 5 passes after its last eager one: over the window
+    assert ((0, 8),) not in r.captured
+    r._run_step(_step((0, 2)))
+    r._run_step(_step((0, 2)))
+    r._run_step(_step((0, 8)))  # 3 passes after: captured
+    # Two attention ranks taking turns: each one's key recurs every other pass.
+    for _ in range(2):
+        r._run_step(_step((1, 4)))
+        r._run_step(_step((2, 4)))
+    assert r.captured == [((0, 2),), ((0, 8),), ((1, 4),), ((2, 4),)]
+
+
+def test_a_zero_window_never_captures():
+    r = _Runner(window=0)
+    for _ in range(4):
+        r._run_step(_step((0, 4)))
+    assert r.captured == [] and len(r.eager) == 4
+
+
+def test_the_window_grows_with_the_attention_ranks_served():
+    assert ffn_runner.graph_window({}, 1) == 16
+    assert ffn_runner.graph_window({}, 3) == 48
+    assert ffn_runner.graph_window({"ffn_cuda_graph_window": 4}, 3) == 4
 
 
 def test_key_is_the_ranks_and_their_token_counts():

@@ -49,6 +49,20 @@ def graph_token_limit(extra: dict, ranks: int) -> int:
     return int(extra.get("ffn_cuda_graph_max_tokens", GRAPH_TOKENS_PER_RANK * ranks))
 
 
+# Default of connector_extra_config.ffn_cuda_graph_window: this many FFN passes per
+# attention rank served.
+GRAPH_WINDOW_PER_RANK = 16
+# Keys remembered for the window: older ones are forgotten past this many.
+GRAPH_SEEN_MAX = 4096
+
+
+def graph_window(extra: dict, ranks: int) -> int:
+    """How many FFN passes may lie between a key's two eager passes for it to be captured:
+    the key ffn_cuda_graph_window, else GRAPH_WINDOW_PER_RANK per attention rank served (a
+    guest too), so that the keys of ranks taking turns still count as recurring."""
+    return int(extra.get("ffn_cuda_graph_window", GRAPH_WINDOW_PER_RANK * ranks))
+
+
 def split_passes(ready: list, max_tokens: int) -> list[list]:
     """The step peers ``ready`` in arrival order, cut into passes of at most
     ``max_tokens`` tokens each (see AFDConfig.ffn_pass_tokens); a step is never split."""
@@ -249,7 +263,7 @@ class FFNModelRunner:
         self.connector = create_ffn_connector(ctx)
         extra = cfg.connector_extra_config
         # FFN-side CUDA graphs, keyed by the step's (attention rank, token count)
-        # pairs: a key is captured the second time it is served eagerly.
+        # pairs: a key that recurs is captured (_maybe_capture).
         self.graphs_enabled = (
             self.device.type == "cuda"
             and self.connector.graph_capable
@@ -259,6 +273,7 @@ class FFNModelRunner:
         ranks = len(cfg.attention_ranks_of(rank)) + int(cfg.ffn_failover)
         self.graph_max_tokens = graph_token_limit(extra, ranks)
         self.graph_max_count = int(extra.get("ffn_cuda_graph_max_count", 64))
+        self.graph_window = graph_window(extra, ranks)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_seen: dict[tuple, int] = {}
         self._graph_gen = -1
@@ -530,12 +545,23 @@ class FFNModelRunner:
         return True
 
     def _maybe_capture(self, key: tuple, total: int, body: Callable[[], object]) -> None:
-        """A key is captured the second time it is served eagerly."""
+        """A key is captured when it is served eagerly again within ``graph_window``
+        passes of its last eager pass: a shape that recurs (decode steps, a steady
+        chunked prefill, ranks taking turns), not one that comes back once a generation
+        (a first prefill step that caught only the first few prompts). A capture
+        stalls every rank the FFN rank serves (50-75 ms on one H200 at DeepSeek-V2-Lite's
+        shape), more than such a step gains from replaying."""
         if not self.graphs_enabled:
             return
-        seen = self._graph_seen[key] = self._graph_seen.get(key, 0) + 1
+        now, last = self.steps_served, self._graph_seen.get(key)
+        self._graph_seen[key] = now
+        if len(self._graph_seen) > GRAPH_SEEN_MAX:
+            self._graph_seen = {
+                k: i for k, i in self._graph_seen.items() if now - i <= self.graph_window
+            }
         if (
-            seen >= 2
+            last is not None
+            and now - last <= self.graph_window
             and total <= self.graph_max_tokens
             and len(self.graphs) < self.graph_max_count
             and self.profiler is None  # no capture while the torch profiler records

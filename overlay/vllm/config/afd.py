@@ -233,7 +233,8 @@ class AFDConfig:
                 "connector_extra_config.ffn_max_tokens_per_pass must be a positive integer "
                 f"(tokens); got {per_pass!r}"
             )
-        for key in ("ffn_cuda_graph_max_tokens", "ffn_cuda_graph_max_count"):
+        for key in ("ffn_cuda_graph_max_tokens", "ffn_cuda_graph_max_count",
+                    "ffn_cuda_graph_window"):
             value = self.connector_extra_config.get(key, 0)
             if not _is_int(value) or value < 0:
                 fail(f"connector_extra_config.{key} must be a non-negative integer; got {value!r}")
