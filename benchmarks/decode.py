@@ -276,10 +276,13 @@ FFN_STATS = "AFD-FFN-STATS"
 
 def print_ffn_stats(runner) -> None:
     """The share of FFN passes that joined several attention ranks (M:N's gain comes from
-    those: one read of the experts for all of them); measure() reads this line."""
+    those: one read of the experts for all of them) and the FFN graphs captured and
+    replayed (each capture stalls the ranks served); measure() reads this line."""
     print(f"{FFN_STATS} " + json.dumps({"steps_served": runner.steps_served,
                                         "batched_steps": runner.batched_steps,
-                                        "split_steps": runner.split_steps}), flush=True)
+                                        "split_steps": runner.split_steps,
+                                        "graphs": len(runner.graphs),
+                                        "graph_replays": runner.graph_replays}), flush=True)
 
 
 def ffn_stats(log: Path) -> dict | None:
@@ -341,7 +344,8 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
                 ffn.kill()
             if (stats := ffn_stats(work / f"{tag}_ffn.log")) is not None and afd:
                 print(f"  {tag}: FFN passes {stats['steps_served']}, of them joining several "
-                      f"attention ranks {stats['batched_steps']}", flush=True)
+                      f"attention ranks {stats['batched_steps']}; FFN graphs captured "
+                      f"{stats['graphs']}, replayed {stats['graph_replays']} times", flush=True)
 
 
 def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,
