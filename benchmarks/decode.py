@@ -221,9 +221,9 @@ def run_generate(a) -> int:
         return Run(wall, stamps)
 
     # Warm-up with some decode steps: an FFN rank captures a graph for a step's shape (and,
-    # with several attention ranks, for each set of ranks a pass joins) on its second eager
-    # sight, so one decode step left those captures inside the first timed run (on the H200
-    # a 2A1F run at batch 64 gave 1.05x with --repeats 1 and 1.45x as best of 2).
+    # with several attention ranks, for each set of ranks a pass joins) when it recurs, so
+    # one decode step left those captures inside the first timed run (on the H200 a 2A1F
+    # run at batch 64 gave 1.05x with --repeats 1 and 1.45x as best of 2).
     timed(min(a.output_len, WARMUP_TOKENS))
     t_prefill = min(timed(1).wall_s for _ in range(a.repeats))
     half = max(1, a.output_len // 2)
