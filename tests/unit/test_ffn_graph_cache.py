@@ -4,6 +4,9 @@ itself is replaced by a recorder; the GPU oracle covers real graphs."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 
 from vllm.afd import ffn_runner
@@ -209,3 +212,25 @@ def test_the_largest_captured_pass_grows_with_the_attention_ranks_served():
     assert ffn_runner.graph_token_limit({}, 1) == 512
     assert ffn_runner.graph_token_limit({}, 3) == 3 * 512
     assert ffn_runner.graph_token_limit({"ffn_cuda_graph_max_tokens": 64}, 3) == 64
+
+
+def test_a_capture_is_counted_with_its_time(monkeypatch):
+    # The real _capture around a recording stand-in for torch.cuda's graph API: the
+    # counters an operator reads to see the stalls (docs/observability.md).
+    from vllm.afd import metrics
+
+    class _CUDAGraph:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _CUDAGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    r = _Runner()
+    r._graph_pool = None
+    before = dict(metrics.STATS.counters)
+    ffn_runner.FFNModelRunner._capture(r, ((0, 4),), lambda: time.sleep(0.02))
+    assert isinstance(r.graphs[((0, 4),)], _CUDAGraph)
+    assert metrics.STATS.counters["ffn_graph_captures"] == before["ffn_graph_captures"] + 1
+    took = metrics.STATS.counters["ffn_graph_capture_seconds"] - before["ffn_graph_capture_seconds"]
+    assert 0.02 <= took < 5

@@ -583,10 +583,12 @@ class FFNModelRunner:
             self.graph_max_count = 0
             return
         self.graphs[key] = graph
+        took = time.perf_counter() - t0
+        metrics.STATS.record({"ffn_graph_captures": 1, "ffn_graph_capture_seconds": took})
         logger.info(
             "AFD FFN role: captured a CUDA graph for step %s in %.1f ms (%d graphs)",
             key,
-            (time.perf_counter() - t0) * 1e3,
+            took * 1e3,
             len(self.graphs),
         )
 

@@ -91,6 +91,8 @@ COUNTERS = {
     "ffn_batched_steps": "AFD steps that served several attention ranks in one pass.",
     "ffn_idle_seconds": "Seconds the FFN serve loop waited with no step to run.",
     "ffn_graph_replays": "AFD steps the FFN rank served by replaying one of its CUDA graphs.",
+    "ffn_graph_captures": "CUDA graphs the FFN rank captured (each stalls the ranks it serves).",
+    "ffn_graph_capture_seconds": "Seconds the FFN rank spent capturing CUDA graphs.",
     "ffn_ubatched_steps": "AFD steps served as micro-batches (DBO on the attention rank).",
     "rejoins": "Times this attention rank reached its lost FFN rank again and re-ran the step.",
     "outage_seconds": "Seconds this attention rank was without its FFN rank, over the outages "
@@ -100,7 +102,7 @@ ATTENTION_COUNTERS = ("steps", "layer_exchanges", "bytes_sent", "bytes_received"
                       "handshake_failures", "rejoins", "outage_seconds")
 FFN_COUNTERS = ("ffn_steps_served", "ffn_batched_steps", "ffn_idle_seconds", "bytes_sent",
                 "bytes_received", "handshake_failures", "ffn_graph_replays",
-                "ffn_ubatched_steps")
+                "ffn_graph_captures", "ffn_graph_capture_seconds", "ffn_ubatched_steps")
 ATTENTION_HISTOGRAMS = ("step_transfer_seconds", "step_ffn_wait_seconds")
 FFN_HISTOGRAMS = ("ffn_step_compute_seconds", "ffn_step_transfer_seconds")
 LAYER_COUNTERS = {
