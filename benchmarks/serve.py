@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -65,6 +66,17 @@ FIGURES = {
 
 class BenchError(RuntimeError):
     pass
+
+
+CAPTURE_LINE = re.compile(r"captured a CUDA graph for step (.+) in ([0-9.]+) ms")
+
+
+def ffn_captures(log_text: str) -> list[dict]:
+    """The CUDA graphs an FFN server's log says it captured (over its whole life: the
+    attention server's graph warm-up, the clients' warm-ups and the measured requests),
+    each with its step key and milliseconds: every attention rank served waits meanwhile."""
+    return [{"step": m.group(1), "ms": float(m.group(2))}
+            for m in CAPTURE_LINE.finditer(log_text)]
 
 
 def bench_command(a, url: str, result_dir: Path, name: str) -> list[str]:
@@ -194,6 +206,9 @@ def measure(a, mode: str, work: Path) -> dict:
     finally:
         su.stop_servers(servers)
     fig = combine(results)
+    if mode.startswith("afd"):
+        fig["ffn_graph_captures"] = ffn_captures(
+            servers[1].log_path.read_text(errors="replace"))
     want = a.num_prompts * len(results)
     if int(fig.get("completed", 0)) != want:
         raise BenchError(f"{mode}: {fig.get('completed')} of {want} requests completed")
@@ -304,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"TPOT mean {fig.get('mean_tpot_ms', float('nan')):7.2f} ms  "
                   f"TTFT mean {fig.get('mean_ttft_ms', float('nan')):8.1f} ms  "
                   f"({fig['wall_s']:.0f} s)", flush=True)
+            if "ffn_graph_captures" in fig:
+                caps = fig["ffn_graph_captures"]
+                print(f"  {name:9s} FFN graphs captured over the FFN server's life: "
+                      f"{len(caps)}, {sum(c['ms'] for c in caps):.0f} ms in all"
+                      + "".join(f"; {c['step']} {c['ms']:.1f} ms" for c in caps), flush=True)
     print_table(a, results)
     return 0
 
