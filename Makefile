@@ -123,7 +123,7 @@ TARGET_DESELECT = --deselect tests/cpu/test_afd_oracle.py::test_oracle_family \
 	--deselect tests/cpu/test_afd_oracle.py::test_no_attention_within_timeout
 test-target: models ## per-target CPU runtime check: oracle, vllm serve pair, metrics and profiling
 	AFD_MODELS_DIR=$(abspath $(MODELS)) $(VPY) -m pytest -q --durations=15 tests/cpu/test_afd_oracle.py \
-		tests/cpu/test_afd_serve.py tests/cpu/test_afd_observability.py $(TARGET_DESELECT) $(PYTEST_ARGS)
+		tests/cpu/test_afd_serve.py $(TARGET_DESELECT) $(PYTEST_ARGS)
 
 test-gpu: ## GPU tests (run on the GPU host): pytest -m gpu
 	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
