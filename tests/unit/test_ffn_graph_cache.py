@@ -234,3 +234,19 @@ def test_a_capture_is_counted_with_its_time(monkeypatch):
     assert metrics.STATS.counters["ffn_graph_captures"] == before["ffn_graph_captures"] + 1
     took = metrics.STATS.counters["ffn_graph_capture_seconds"] - before["ffn_graph_capture_seconds"]
     assert 0.02 <= took < 5
+
+
+def test_old_keys_are_forgotten_once_in_a_while_whatever_the_window(monkeypatch):
+    # A window as large as the memory bound: the keys past the window are dropped when the
+    # bound plus the window is passed, not again on every eager pass after.
+    monkeypatch.setattr(ffn_runner, "GRAPH_SEEN_MAX", 8)
+    r = _Runner(max_tokens=1000, max_count=0, window=8)
+    r.max_pass_tokens = 1000
+    for n in range(1, 17):
+        r._run_step(_step((0, n)))  # 16 keys, each once: not past 8 + 8 yet
+    assert len(r._graph_seen) == 16
+    r._run_step(_step((0, 100)))  # the 17th passes it: the 8 past the window go
+    assert sorted(n for (((_, n),)) in r._graph_seen) == [9, 10, 11, 12, 13, 14, 15, 16, 100]
+    for n in range(200, 207):
+        r._run_step(_step((0, n)))  # 16 again: kept until the bound is passed once more
+    assert len(r._graph_seen) == 16

@@ -52,7 +52,8 @@ def graph_token_limit(extra: dict, ranks: int) -> int:
 # Default of connector_extra_config.ffn_cuda_graph_window: this many FFN passes per
 # attention rank served.
 GRAPH_WINDOW_PER_RANK = 16
-# Keys remembered for the window: older ones are forgotten past this many.
+# Keys remembered for the window: past this many more than the window can hold, the ones
+# older than the window are forgotten (at most once per this many new keys).
 GRAPH_SEEN_MAX = 4096
 
 
@@ -555,7 +556,7 @@ class FFNModelRunner:
             return
         now, last = self.steps_served, self._graph_seen.get(key)
         self._graph_seen[key] = now
-        if len(self._graph_seen) > GRAPH_SEEN_MAX:
+        if len(self._graph_seen) > GRAPH_SEEN_MAX + self.graph_window:
             self._graph_seen = {
                 k: i for k, i in self._graph_seen.items() if now - i <= self.graph_window
             }
