@@ -13,12 +13,15 @@ orphan otherwise). One test, two pairs on the same ports:
    a refused connection, the server exits 1 naming the lost FFN rank);
 2. a new pair; the attention API server is SIGKILLed: its children are gone within
    ORPHAN_EXIT_S and the FFN server drops the lost attention rank within BOUND_S and serves
-   on (an FFN rank survives the loss of an attention rank and takes it again later).
+   on (an FFN rank survives the loss of an attention rank and takes it again later). The
+   orphaned engine core may end cleanly (the FFN log says the rank said goodbye) or be cut
+   off mid-step (the FFN log says it lost the rank): the race is the kill's, both count.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -42,6 +45,18 @@ MP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_AFD_SECRET": ""}
 # (2.6 s after the kill), and nothing failed. 2,000 tokens last about 10 s.
 STREAM_TOKENS = 2000
 LONG_ARGS = ["--max-model-len", "2048"]  # the checkpoint's max_position_embeddings
+
+
+def rank_dropped(ffn: su.Server) -> str | None:
+    """How the FFN server's log says it dropped attention rank 0, or None yet. An orphaned
+    attention engine core that was idle shuts down cleanly and says goodbye; one cut off
+    mid-step is a lost rank. Either way the FFN rank forgets it and serves on."""
+    text = ffn.log_path.read_text(errors="replace")
+    if "FFN rank 0 lost attention rank 0 (" in text:
+        return "lost"
+    if re.search(r"AFD: attention rank 0 at \S+ said goodbye", text):
+        return "goodbye"
+    return None
 
 
 class Pair:
@@ -138,7 +153,10 @@ def test_children_of_a_killed_api_server_end(model_dir, tmp_path):
             status, body = attn.completion("Hello", max_tokens=4, timeout=BOUND_S)
             outcome = f"HTTP {status}: {su.error_message(body)[:200]}"
             assert status >= 500, body
-        except OSError as e:  # the server is already on its way out
+        except OSError as e:  # the server is already on its way out: refused or reset
+            timed_out = isinstance(e, TimeoutError) or isinstance(
+                getattr(e, "reason", None), TimeoutError)
+            assert not timed_out, f"the next request hung for {BOUND_S} s: {e!r}"
             outcome = f"{type(e).__name__}: {e}"
         print(f"next request to the attention server: {outcome}")
         assert su.wait_for_exit(attn.proc, BOUND_S) is not None, "attention server still up"
@@ -154,13 +172,12 @@ def test_children_of_a_killed_api_server_end(model_dir, tmp_path):
         attn, ffn = pair.start_both()
         t_kill, children = kill_api_server(attn)
         attn_times = assert_children_gone(attn, children, t_kill)
-        lost = "FFN rank 0 lost attention rank 0 ("
-        seen = su.wait_for_log(ffn.log_path, lost, BOUND_S, proc=ffn.proc)
+        how = wait_for(lambda: rank_dropped(ffn) or ffn.proc.poll() is not None, BOUND_S,
+                       "the FFN server dropping attention rank 0")
         t_ffn = time.monotonic() - t_kill
-        assert seen is not None, su.log_tail(ffn.log_path)
         assert ffn.proc.poll() is None, su.log_tail(ffn.log_path)  # still serving
-        print(f"FFN server dropped the attention rank {t_ffn:.2f} s after the attention API "
-              "server kill and serves on")
+        print(f"FFN server dropped the attention rank ({how}) {t_ffn:.2f} s after the "
+              "attention API server kill and serves on")
         print(f"figures: FFN children {ffn_times}, attention children {attn_times}")
     finally:
         su.stop_servers(pair.started)  # their process groups hold any orphan left
