@@ -202,6 +202,20 @@ def wait_log(srv: su.Server, text: str, timeout: float, count: int = 1) -> str:
         time.sleep(0.1)
 
 
+def request_after_peer_loss(srv: su.Server, timeout: float) -> str:
+    """A new request to a server whose AFD peer is gone fails fast: an HTTP 5xx, or a
+    connection refused or reset (the server on its way out). A request still unanswered
+    after ``timeout`` s fails the test. Returns the outcome, for the test's output."""
+    try:
+        status, body = srv.completion("Hello", max_tokens=4, timeout=timeout)
+    except OSError as e:  # urllib's URLError and a socket timeout are OSErrors too
+        hung = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+        assert not hung, f"the request hung for {timeout} s: {e!r}"
+        return f"{type(e).__name__}: {e}"
+    assert status >= 500, f"HTTP {status} with the AFD peer gone: {body}"
+    return f"HTTP {status}: {su.error_message(body)[:200]}"
+
+
 def wait_healthy(servers: list[su.Server], timeout: float) -> dict[str, float]:
     """serve_util.wait_all_healthy; a server that exits or is not healthy in time fails the
     test with the first traceback of every server's log (the root cause sits far above

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cpu_e2e  # vllm serve processes (they end at the parse)
+
 VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 

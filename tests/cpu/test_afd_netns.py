@@ -12,7 +12,7 @@ harness.AfdProc) run with `ip netns exec`.
   the attention rank rejoins it across the link and ends with plain vLLM's tokens;
 * a network cut (`ip -n B link set <veth> down`) during a long generation, with
   ``rejoin_timeout_s`` 0: the attention rank ends non-zero within timeout_s + 5 s, naming its
-  FFN peer; the FFN side ends too.
+  FFN peer; the FFN rank drops that attention rank within the same bound and serves on.
 """
 
 from __future__ import annotations

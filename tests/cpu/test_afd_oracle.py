@@ -219,10 +219,11 @@ def test_oracle_2a1f(models_dir, tmp_path, procs):
     for attn, out in attns:
         assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
         assert_matches(plain, json.loads(out.read_text()))
-    ffn.stop()
-    stopped = [ln for ln in ffn.text().splitlines() if ln.startswith("AFD-FFN-STOPPED")]
-    assert stopped, ffn.tail()
-    print(stopped[0])  # steps served, and how many of them batched both attention ranks
+    counts = ffn_stopped_counts(ffn)
+    print(counts)  # steps served, and how many of them batched both attention ranks
+    # Both ranks run the same prompts at once: with the 5 ms batch window, some passes
+    # join them (21 of 85 and 31 of 75 steps here, 2 cores); none would mean no batching.
+    assert counts["batched"] > 0, counts
 
 
 @pytest.mark.parametrize("name, num_attention", [("qwen3_moe", 2), ("deepseek_v2", 4)],
@@ -358,6 +359,9 @@ def test_wrong_topology_ends_both(models_dir, tmp_path, procs):
         assert "mismatch on 'num_attention_ranks'" in p.text(), p.tail()
 
 
+EXIT_S = 30.0  # an engine's teardown after its fatal error
+
+
 def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
     """Attention fails with an error naming the FFN peer within timeout_s + 5 s."""
     model = models_dir / "qwen3_moe"
@@ -381,13 +385,17 @@ def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
     assert attn.p.poll() is None, attn.tail()
     ffn.kill()
     killed_at = time.monotonic()
-    rc = attn.wait(timeout_s + 60)
-    elapsed = time.monotonic() - killed_at
+    # the error is logged within the bound (polled at 0.1 s); the engine's teardown after
+    # it (the process exit) gets EXIT_S more
+    seen = attn.wait_for_log("lost AFD peer FFN rank 0", timeout_s + 60, poll=0.1)
+    noticed = time.monotonic() - killed_at
+    rc = attn.wait(EXIT_S)
+    exited = time.monotonic() - killed_at
+    assert seen is not None, attn.tail()
     assert rc != 0, attn.tail()
     assert not (tmp_path / "o.json").exists()
-    assert "lost AFD peer FFN rank 0" in attn.text(), attn.tail()
-    assert elapsed <= timeout_s + 5 + 10, f"attention took {elapsed:.1f} s to fail"
-    print(f"attention failed {elapsed:.1f} s after the FFN was killed")
+    assert noticed <= timeout_s + 5, f"attention took {noticed:.1f} s to fail"
+    print(f"attention failed {noticed:.1f} s after the FFN was killed, exited at {exited:.1f} s")
 
 
 def test_no_ffn_within_timeout(models_dir, tmp_path, procs):

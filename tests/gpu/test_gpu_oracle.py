@@ -77,19 +77,21 @@ MODES = {"eager": None, "graphs": GRAPHS, "compiled-graphs": COMPILED_GRAPHS}
 # has it (up to 0.33.0), else V2 (0.34.0 deleted V1).
 RUNNER = "v1" if HAS_V1_RUNNER else "v2"
 
-# (connector, FFN GPU, mode, model runner)
+NO_V1 = pytest.mark.skipif(not HAS_V1_RUNNER, reason="this vLLM line has no model runner V1")
+ONE_GPU = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+
+# (connector, FFN GPU, mode, model runner); a case this host or vLLM line cannot run is
+# skipped with its reason
 CASES = [
     ("gloo", 0, "eager", None),
-    ("cuda_ipc", 0, "eager", "v1"),
+    pytest.param("cuda_ipc", 0, "eager", "v1", marks=NO_V1),
     ("cuda_ipc", 0, "eager", "v2"),
-    ("cuda_ipc", 0, "graphs", "v1"),
+    pytest.param("cuda_ipc", 0, "graphs", "v1", marks=NO_V1),
     ("cuda_ipc", 0, "graphs", "v2"),
-]
-if torch.cuda.device_count() >= 2:
-    CASES.append(("nccl", 1, "eager", None))
+    pytest.param("nccl", 1, "eager", None, marks=ONE_GPU),
     # FFN rank on GPU 1: inboxes in the other GPU's memory, over NVLink
-    CASES.append(("cuda_ipc", 1, "graphs", RUNNER))
-CASES = [c for c in CASES if c[3] != "v1" or HAS_V1_RUNNER]
+    pytest.param("cuda_ipc", 1, "graphs", RUNNER, marks=ONE_GPU),
+]
 
 _PLAIN: dict[tuple, dict] = {}
 
@@ -180,9 +182,12 @@ def test_gpu_oracle_compiled_graphs(name, tmp_path, procs):
     """torch.compile + FULL_DECODE_ONLY: the remote-FFN op stays opaque."""
     plain = _plain(name, "compiled-graphs", RUNNER, tmp_path / "plain", procs)
     afd = _afd(name, "cuda_ipc", 0, "compiled-graphs", RUNNER, tmp_path, procs)
-    worst, ties = oracle_lib.assert_outputs_match_up_to_ties(plain, afd, COMPILE_TOL)
-    print(f"ORACLE {name} cuda_ipc compiled-graphs runner={RUNNER}: tokens identical up to ties "
-          f"({ties} prompts took a tie differently), max |logprob diff| {worst:.3g}")
+    divs, worst, equal = oracle_lib.near_tie_divergences(plain, afd, COMPILE_TOL, COMPILE_TOL)
+    total = sum(oracle_lib.PROMPTS["max_tokens"])
+    # a tie taken the other way ends its prompt's comparison: most tokens must be compared
+    assert equal >= total // 2, f"only {equal} of {total} tokens before the divergences {divs}"
+    print(f"ORACLE {name} cuda_ipc compiled-graphs runner={RUNNER}: {equal} of {total} tokens "
+          f"equal before {len(divs)} near-tie divergence(s), max |logprob diff| {worst:.3g}")
 
 
 def test_gpu_oracle_router_on_attention(tmp_path, procs):
@@ -192,6 +197,8 @@ def test_gpu_oracle_router_on_attention(tmp_path, procs):
     afd = _afd(name, "cuda_ipc", 0, "graphs", RUNNER, tmp_path, procs,
                extra={"compute_gate_on_attention": True})
     worst = _compare(plain, afd)
+    # the router ran on the attention side (2 of the checkpoint's 3 layers are MoE)
+    assert "router of 2 MoE layer(s) runs on the attention role" in _attn_log(tmp_path)
     print(f"ORACLE {name} cuda_ipc graphs gate-on-attention: tokens identical, "
           f"max |logprob diff| {worst:.3g}")
 
@@ -342,6 +349,9 @@ def test_gpu_oracle_dbo_grouped_routing_q_lora(tmp_path, procs):
                      ("--enable-dbo", "--dbo-threshold", "2", "--dbo-prefill-threshold", "12"))
     total = sum(spec["max_tokens"])
     divs, worst, equal = oracle_lib.near_tie_divergences(plain, dbo, QLORA_TIE_TOL, QLORA_TOL)
+    # a divergence ends its prompt's comparison: most tokens must be compared (384 of 384
+    # were equal on one H200, docs/gpu-results.md)
+    assert equal >= total // 2, f"only {equal} of {total} tokens before the divergences {divs}"
     for i, pos, gap in divs:
         print(f"ORACLE deepseek_v2_qlora DBO divergence: prompt {i} "
               f"({oracle_lib.MIXED_LENGTHS[i]} tokens) at generated token {pos}, plain's "
