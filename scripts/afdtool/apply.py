@@ -356,7 +356,7 @@ def build(repo: Target, tree: Path, source: str | None = None, force: bool = Fal
                 raise AfdError(
                     f"{tree} has work that a rebuild would lose:\n  - " + "\n  - ".join(problems)
                     + "\nCommit it and run `make export-patches` first, or re-run with --force "
-                    "(AFD_APPLY_ARGS=--force for make) to save it on a backup branch and rebuild."
+                    "(`make apply-patches APPLY_ARGS=--force`) to save it on a backup branch and rebuild."
                 )
             branch = _backup(tree, "apply --force")
             print(f"saved the previous state of {tree} on branch {branch}")

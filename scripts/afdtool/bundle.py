@@ -27,13 +27,13 @@ import time
 import zipfile
 from pathlib import Path
 
+from afdtool.errors import AfdError
 from afdtool.fetch import sha256_file
 from afdtool.pin import REPO_ROOT, cache_dir
 from afdtool.wheel import (
-    AfdError,
     Member,
-    _mode_of,
     expected_wheel_path,
+    mode_of,
     order_members,
     write_zip,
 )
@@ -115,7 +115,7 @@ def slim_wheel(src: Path, dest: Path, python: str) -> list[str]:
         (record_name,) = [i.filename for i in infos if i.filename.endswith(".dist-info/RECORD")]
         dropped = [i.filename for i in infos if hopper_drop(i.filename, python)]
         members = [
-            Member(i.filename, _mode_of(i), src=i)
+            Member(i.filename, mode_of(i), src=i)
             for i in infos
             if i.filename not in dropped and i.filename != record_name
         ]

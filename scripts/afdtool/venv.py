@@ -16,17 +16,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from afdtool.errors import AfdError
 from afdtool.fetch import sha256_file
 from afdtool.pin import REPO_ROOT, Pin
 from afdtool.targets import Target
-
-try:
-    from afdtool.errors import AfdError
-except ImportError:  # pragma: no cover
-
-    class AfdError(RuntimeError):  # type: ignore[no-redef]
-        pass
-
 
 STAMP_NAME = ".afd-venv.json"
 _SCHEMA = 1

@@ -35,6 +35,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from afdtool.errors import AfdError
 from afdtool.fetch import sha256_file
 from afdtool.pin import REPO_ROOT, Pin, cache_dir
 from afdtool.targets import Target
@@ -47,14 +48,6 @@ VERSION_MODULE = "vllm/_version.py"
 VARIANTS = ("cuda", "cpu")
 _DEFAULT_EPOCH = 315_619_200  # 1980-01-02 00:00:00 UTC
 _STAMP_SCHEMA = 1
-
-try:  # the shared error type, once the other helper's module exists
-    from afdtool.errors import AfdError
-except ImportError:  # pragma: no cover - fallback for a partial checkout
-
-    class AfdError(RuntimeError):  # type: ignore[no-redef]
-        pass
-
 
 # --------------------------------------------------------------------------------------------
 # Reproducible zip writing with raw copy of unchanged members
@@ -399,7 +392,7 @@ def _find_dist_info(names: list[str]) -> str:
     return dirs[0]
 
 
-def _mode_of(info: zipfile.ZipInfo) -> int:
+def mode_of(info: zipfile.ZipInfo) -> int:
     return 0o755 if (info.external_attr >> 16) & 0o111 else 0o644
 
 
@@ -441,11 +434,11 @@ def repack(
             change = change_by_path.get(name)
             if change is None and name == VERSION_MODULE:
                 data = rewrite_version_module(src.read(info), version)
-                members.append(Member(name, _mode_of(info), data=data))
+                members.append(Member(name, mode_of(info), data=data))
                 result.replaced.append(name)
                 continue
             if change is None:
-                members.append(Member(name, _mode_of(info), src=info))
+                members.append(Member(name, mode_of(info), src=info))
                 result.copied += 1
                 continue
             if not name.endswith(".py"):
@@ -459,7 +452,7 @@ def repack(
             data = blobs[change.blob]
             src_data = src.read(info)
             if data == src_data:  # upstream wheel already matches the tree
-                members.append(Member(name, _mode_of(info), src=info))
+                members.append(Member(name, mode_of(info), src=info))
                 result.copied += 1
             else:
                 members.append(Member(name, change.mode, data=data))

@@ -528,7 +528,7 @@ def test_ipc_rejoin_off_by_default_still_ends_the_rank(pair):
     """Without ipc_rejoin nothing changed: the graphs write the FFN rank's mapped
     buffers directly (no pointer table) and a killed FFN process ends the rank."""
     p = pair()
-    assert p.conn.rejoin is False and p.conn.table is None
+    assert p.conn.reruns_forward is False and p.conn.table is None
     x = torch.ones((8, HIDDEN), dtype=torch.bfloat16, device="cuda")
     assert torch.equal(p.step(x), _reference(x))
     os.kill(p.ffn.pid, signal.SIGKILL)

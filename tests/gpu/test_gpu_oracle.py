@@ -26,7 +26,7 @@ import torch
 from harness import AfdProc, afd_json, ffn_stopped_counts, free_afd_port
 
 import serve_util as su
-from vllm.afd.ubatch_compat import HAS_V1_RUNNER, HAS_V2_UBATCH_RUNNER
+from vllm.afd.compat import HAS_V1_RUNNER, HAS_V2_UBATCH_RUNNER
 
 pytestmark = pytest.mark.gpu
 

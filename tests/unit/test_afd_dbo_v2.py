@@ -3,7 +3,7 @@ runner of vLLM 0.34.0), with fakes of runner V2's batch descriptor, CUDA-graph m
 UBatchRunner (the unit-test venv runs vLLM 0.26.0): the split decision of a step at
 data-parallel size 1, the runner's AFD additions (the micro-batch token counts for the
 connector, a failed micro-batch ends the engine), and that upstream's private micro-batch
-names stay in vllm.afd.ubatch_compat. The GPU oracle
+names stay in vllm.afd.compat. The GPU oracle
 (tests/gpu/test_gpu_oracle.py::test_gpu_oracle_dbo) runs it inside vLLM 0.34.0."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.afd import dbo, dbo_v2, ubatch_compat
+from vllm.afd import compat, dbo, dbo_v2
 from vllm.config import CUDAGraphMode
 from vllm.config.afd import AFDConfig
 from vllm.v1.worker.ubatch_utils import UBatchSlice
@@ -208,9 +208,9 @@ def test_a_failed_micro_batch_ends_the_engine_with_its_error(monkeypatch):
 
 
 def test_the_attention_role_reads_its_micro_batch_from_the_step_it_noted(monkeypatch):
-    monkeypatch.setattr(ubatch_compat, "ubatch_id", lambda: None)
+    monkeypatch.setattr(compat, "ubatch_id", lambda: None)
     assert dbo.current_ubatch() == (0, 0)
-    monkeypatch.setattr(ubatch_compat, "ubatch_id", lambda: 1)
+    monkeypatch.setattr(compat, "ubatch_id", lambda: 1)
     dbo.note_ubatch_tokens(_state(3, 2).slices)
     assert dbo.current_ubatch() == (1, 2)
     monkeypatch.setattr(dbo, "_step_tokens", None)
@@ -219,19 +219,23 @@ def test_the_attention_role_reads_its_micro_batch_from_the_step_it_noted(monkeyp
 
 
 def test_the_cpu_wrapper_says_what_to_do_without_model_runner_v1(monkeypatch):
-    assert ubatch_compat.HAS_V1_RUNNER  # the unit-test venv runs vLLM 0.26.0
-    assert ubatch_compat.merge_v1_outputs([torch.ones(1), torch.zeros(2)]).tolist() == [1, 0, 0]
-    monkeypatch.setattr(ubatch_compat, "HAS_V1_RUNNER", False)
+    assert compat.HAS_V1_RUNNER  # the unit-test venv runs vLLM 0.26.0
+    assert compat.merge_v1_outputs([torch.ones(1), torch.zeros(2)]).tolist() == [1, 0, 0]
+    monkeypatch.setattr(compat, "HAS_V1_RUNNER", False)
     with pytest.raises(RuntimeError, match="model runner V1.*drop --enable-dbo"):
-        ubatch_compat.merge_v1_outputs([torch.ones(1)])
+        compat.merge_v1_outputs([torch.ones(1)])
 
 
-def test_upstream_private_micro_batch_names_stay_in_the_compat_module():
-    private = re.compile(r"ubatching\._[A-Za-z]|_cat_ubatch_outputs|gpu_ubatch_wrapper")
+def test_upstream_private_names_stay_in_the_compat_module():
+    private = re.compile(
+        r"ubatching\._[A-Za-z]|_cat_ubatch_outputs|gpu_ubatch_wrapper|_fse_fuse_gate"
+        r"|_ExperimentalConfig|forward_context\._forward_context|def _cpu_yield"
+        r"|def _(signal|wait)_(comm|compute)_done"
+    )
     found = [
         f"{p.relative_to(OVERLAY)}:{n}"
         for p in sorted(OVERLAY.rglob("*.py"))
-        if p.name != "ubatch_compat.py"
+        if p.name != "compat.py"
         for n, line in enumerate(p.read_text().splitlines(), 1)
         if private.search(line)
     ]

@@ -92,7 +92,7 @@ def handshake(att: ipc.IPCAttentionConnector, ffn: ipc.IPCFFNConnector, again: b
         else:
             with here:
                 att._map_peer(here, deadline)
-            if att.rejoin:
+            if att.reruns_forward:
                 att.table = torch.zeros(ipc.ROW, dtype=torch.int64)
                 att._point_table()
         t.join(5)
@@ -112,13 +112,13 @@ def connected(rejoin_on: bool = True) -> tuple[ipc.IPCAttentionConnector, ipc.IP
 # ------------------------------------------------------------------ the opt-in
 def test_ipc_rejoin_is_off_by_default_and_then_ends_the_rank_as_before():
     att = _attention(rejoin_on=False)
-    assert att.rejoin is False and att.can_rejoin is False
+    assert att.reruns_forward is False and att.can_rejoin is False
     assert rejoin.possible(att, ubatched=False) is False
     assert not att.holds_losses()
     att.forwards_guarded = True
     assert not att.holds_losses()
     on = _attention()
-    assert on.rejoin and not on.can_rejoin  # not before a forward ran under run_forward
+    assert on.reruns_forward and not on.can_rejoin  # not before a forward ran under run_forward
     on.forwards_guarded = True
     assert on.can_rejoin and rejoin.possible(on, ubatched=False)
 
@@ -321,7 +321,7 @@ class FakeConn:
 
     def __init__(self, losses, window=5.0, rejoin_on=True, reconnect_fails=False):
         self.ctx = _ctx("attention", rejoin_timeout_s=window)
-        self.rejoin = rejoin_on
+        self.reruns_forward = rejoin_on
         self.forwards_guarded = False
         self.losses = list(losses)
         self.reconnects: list[float] = []
@@ -329,7 +329,7 @@ class FakeConn:
         self.lost = 100.0
 
     def holds_losses(self):
-        return self.rejoin and self.forwards_guarded and self.ctx.config.rejoin_window_s > 0
+        return self.reruns_forward and self.forwards_guarded and self.ctx.config.rejoin_window_s > 0
 
     def step_lost(self):
         return self.losses.pop(0)

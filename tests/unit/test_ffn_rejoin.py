@@ -180,6 +180,7 @@ def test_a_rank_lost_in_its_micro_batched_step_leaves_the_plain_step_served():
 
     class Conn:
         survives_peer_loss = True
+        ubatch_controls_upfront = False  # as FFNConnector declares
 
         def __init__(self):
             self.sent, self.dropped = [], []

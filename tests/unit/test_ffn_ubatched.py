@@ -18,6 +18,11 @@ class _Conn:
     """Serves canned controls; every received row block is filled with the
     micro-batch index + 1 (so the reply shows which input the block saw)."""
 
+    # what FFNConnector declares: a later micro-batch's control comes when it is asked for,
+    # and a lost attention rank ends the FFN rank
+    ubatch_controls_upfront = False
+    survives_peer_loss = False
+
     def __init__(self, controls):
         self.controls = list(controls)
         self.log: list[tuple] = []

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from vllm.afd import dbo, failure, metrics, rejoin, ubatch_compat
+from vllm.afd import compat, dbo, failure, metrics, rejoin
 from vllm.afd.protocol import AFDHandshakeError, AFDPeerError, AFDProtocolError
 from vllm.afd.roles import afd_config
 from vllm.afd.roles import graph_capture_guard as graph_capture_guard  # patch 0013 imports it here
@@ -218,7 +218,7 @@ class AttentionClient:
 
     def peers(self) -> dict[str, bool]:
         conn = self.connector
-        name = f"ffn_rank_{getattr(conn, 'ffn_rank', 0)}" if conn is not None else "ffn"
+        name = f"ffn_rank_{conn.ffn_rank}" if conn is not None else "ffn"
         return {name: conn is not None and conn.is_up()}
 
     def outage_seconds(self) -> float:
@@ -246,7 +246,7 @@ def _ubatch() -> tuple[int, int]:
 
 
 def _dbo_yield() -> None:
-    ubatch_compat.yield_turn()
+    compat.yield_turn()
 
 
 def _install_step_metadata(meta: AFDStepMetadata) -> None:

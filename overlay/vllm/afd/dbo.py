@@ -19,7 +19,7 @@ model runner V1's ``UBatchWrapper`` (patch 0012, vLLM <= 0.33.0) or model runner
 V2's ``UBatchRunner`` (:mod:`vllm.afd.dbo_v2`, the only runner from vLLM 0.34.0
 on). The CPU has no streams, so :class:`CPUUBatchWrapper` runs them with the same
 hand-over (vLLM's ``UBatchContext`` with the stream work left out; model runner
-V1 only). Where upstream's names differ between lines: :mod:`vllm.afd.ubatch_compat`.
+V1 only). Where upstream's names differ between lines: :mod:`vllm.afd.compat`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from vllm.afd import failure, ubatch_compat
+from vllm.afd import compat, failure
 from vllm.afd.architectures import routed_experts
 from vllm.logger import init_logger
 
@@ -53,7 +53,7 @@ def step_ubatch_tokens() -> list[int] | None:
 
 def current_ubatch() -> tuple[int, int]:
     """(index, count) of the micro-batch the calling thread runs; (0, 0) outside DBO."""
-    index = ubatch_compat.ubatch_id()
+    index = compat.ubatch_id()
     if index is None:
         return 0, 0
     if _step_tokens is None:
@@ -256,54 +256,6 @@ def maybe_wrap(model: Any, vllm_config: Any, device: torch.device) -> Any:
     return CPUUBatchWrapper(model, vllm_config)
 
 
-def _context_class():
-    from vllm import forward_context
-    from vllm.v1.worker.ubatching import UBatchContext
-
-    class CPUUBatchContext(UBatchContext):
-        """vLLM's micro-batch hand-over (threading events, one thread runs at a
-        time) without CUDA streams or events."""
-
-        def update_stream(self, stream) -> None:
-            self.current_stream = stream
-
-        def _signal_comm_done(self) -> None:
-            pass
-
-        def _signal_compute_done(self) -> None:
-            pass
-
-        def _wait_compute_done(self) -> None:
-            pass
-
-        def _wait_comm_done(self) -> None:
-            pass
-
-        abort: threading.Event | None = None
-
-        def _cpu_yield(self) -> None:
-            assert forward_context._forward_context == self.forward_context
-            assert not self.cpu_wait_event.is_set()
-            self.cpu_signal_event.set()
-            self._wait_turn()
-            self._restore_context()
-
-        def _wait_turn(self) -> None:
-            while not self.cpu_wait_event.wait(0.05):
-                if self.abort is not None and self.abort.is_set():
-                    raise RuntimeError("AFD DBO: the other micro-batch of this step failed")
-            self.cpu_wait_event.clear()
-
-        def __enter__(self):
-            ubatch_compat.enter_context(self)
-            self.ready_barrier.wait()
-            self._wait_turn()
-            self._restore_context()
-            return self
-
-    return CPUUBatchContext
-
-
 class CPUUBatchWrapper:
     """Runs a micro-batched step (``forward_context.ubatch_slices`` set by the
     runner) as one thread per micro-batch; any other step runs as is."""
@@ -312,7 +264,7 @@ class CPUUBatchWrapper:
         self.runnable = runnable
         self.vllm_config = vllm_config
         self.ubatched_steps = 0
-        self._ctx_cls = _context_class()
+        self._ctx_cls = compat.cpu_context_class()
 
     def __getattr__(self, key: str):
         # Only reached for attributes the wrapper does not have itself.
@@ -365,7 +317,7 @@ class CPUUBatchWrapper:
                 )
             )
             contexts[-1].abort = abort
-        ubatch_compat.register_contexts(n)
+        compat.register_contexts(n)
 
         inputs = []
         for s in slices:
@@ -409,4 +361,4 @@ class CPUUBatchWrapper:
         if errors:
             raise errors[0]
         self.ubatched_steps += 1
-        return ubatch_compat.merge_v1_outputs(results)
+        return compat.merge_v1_outputs(results)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 
-from vllm.afd import failure
+from vllm.afd import compat, failure
 from vllm.afd.attention import CLIENT
 from vllm.afd.roles import is_ffn
 from vllm.logger import init_logger
@@ -149,14 +149,11 @@ def _profile_all_threads(worker) -> None:
     if not getattr(worker.vllm_config.parallel_config, "enable_dbo", False):
         return
     prof = getattr(getattr(worker, "profiler", None), "profiler", None)
-    if prof is None or getattr(prof, "experimental_config", "absent") is not None:
-        return  # none, one that sets its own config, or a torch without the field
-    try:
-        from torch._C._profiler import _ExperimentalConfig
-
-        prof.experimental_config = _ExperimentalConfig(profile_all_threads=True)
-    except (ImportError, TypeError) as e:  # an older torch: traces lack the threads
-        logger.warning("AFD: cannot record the DBO micro-batch threads in traces: %s", e)
+    if prof is None:
+        return
+    why = compat.profile_all_threads(prof)
+    if why is not None:  # an older torch: traces lack the threads
+        logger.warning("AFD: cannot record the DBO micro-batch threads in traces: %s", why)
 
 
 _ENGINE_DIED = False

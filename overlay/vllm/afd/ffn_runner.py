@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function
 
-from vllm.afd import failure, metrics
+from vllm.afd import compat, failure, metrics
 from vllm.afd.model_split import (
     STATE,
     ffn_fingerprint,
@@ -107,26 +107,10 @@ class _GivenRouterLogits(torch.nn.Module):
 
     def forward(self, block, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         self.logits = logits.to(self.out_dtype)
-        stub = _LogitsStub(self)
-        experts = block.experts
-        gate, runner_gate = getattr(block, self.name), getattr(experts, "gate", None)
-        # vLLM >= 0.32 lets the MoE runner hold the gate (the block passes the
-        # hidden states as "router_logits"); it may also fuse the gate with a
-        # shared-expert gate. Both read the stub while it is swapped in.
-        fused = getattr(experts, "_fse_fuse_gate", None)
-        block._modules[self.name] = stub
-        if runner_gate is not None:
-            experts.gate = stub
-            if fused:
-                experts._fse_fuse_gate = False
         try:
-            return block(x)
+            with compat.swap_router(block, self.name, _LogitsStub(self)):
+                return block(x)
         finally:
-            block._modules[self.name] = gate
-            if runner_gate is not None:
-                experts.gate = runner_gate
-                if fused:
-                    experts._fse_fuse_gate = fused
             self.logits = None
 
 
@@ -506,7 +490,7 @@ class FFNModelRunner:
         """``peer`` failed in the round being served. With a connector that survives
         it, the connector drops that rank (it may connect again) and the round goes
         on for the other ranks; else the error ends the serve loop."""
-        if not getattr(self.connector, "survives_peer_loss", False):
+        if not self.connector.survives_peer_loss:
             raise error
         if peer.rank in self._lost:
             return
@@ -635,7 +619,7 @@ class FFNModelRunner:
             )
         peers = [first]
         key = None
-        if getattr(self.connector, "ubatch_controls_upfront", False):
+        if self.connector.ubatch_controls_upfront:
             peers += [self._next_ubatch(first, i, count) for i in range(1, count)]
             key = ("ubatched", first.rank, *(p.control.num_tokens for p in peers))
             if self._replay(key, peers, batched=False):

@@ -37,6 +37,8 @@ attention role
     0 while it is connected).
 FFN role
     ``vllm:afd_ffn_steps_served_total``, ``vllm:afd_ffn_batched_steps_total``,
+    ``vllm:afd_ffn_ubatched_steps_total``, ``vllm:afd_ffn_graph_replays_total``,
+    ``vllm:afd_ffn_graph_captures_total``, ``vllm:afd_ffn_graph_capture_seconds_total``,
     ``vllm:afd_ffn_step_compute_seconds`` (histogram),
     ``vllm:afd_ffn_step_transfer_seconds`` (histogram),
     ``vllm:afd_ffn_layer_compute_seconds_total{layer}``,

@@ -44,7 +44,7 @@ T = TypeVar("T")
 def possible(conn, ubatched: bool) -> bool:
     """A lost FFN rank may be rejoined in this step: the connector can, the
     window is not 0 and the step is not micro-batched."""
-    if conn is None or not getattr(conn, "can_rejoin", False) or ubatched:
+    if conn is None or not conn.can_rejoin or ubatched:
         return False
     return conn.ctx.config.rejoin_window_s > 0
 
@@ -118,7 +118,7 @@ def guard(conn, forward: Callable[..., T], ubatched: bool = False) -> Callable[.
     cuda_ipc connector with ``ipc_rejoin``; then each call runs under
     ``run_forward``, or, for a micro-batched (DBO) step (``ubatched``), under
     ``run_fail_fast``."""
-    if conn is None or not getattr(conn, "rejoin", False):
+    if conn is None or not conn.reruns_forward:
         return forward
     if ubatched:
         return lambda *args, **kwargs: run_fail_fast(conn, lambda: forward(*args, **kwargs))
@@ -160,7 +160,7 @@ def run_forward(conn, forward: Callable[[], T]) -> T:
     error word); the output of such a pass is dropped, so sampling only ever sees
     a clean pass. Bounded by ``rejoin_timeout_s`` from the first loss; then
     AFDPeerError as without rejoin. Any other connector: ``forward()``."""
-    if conn is None or not getattr(conn, "rejoin", False):
+    if conn is None or not conn.reruns_forward:
         return forward()
     if _capturing():  # a capture runs nothing; a synchronisation would break it
         return forward()

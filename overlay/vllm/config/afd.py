@@ -140,9 +140,19 @@ class AFDConfig:
 
     # --------------------------------------------------------------- validate
     def validate(self, source: str = "--afd-config") -> None:
+        """Check every key (raises AFDConfigError naming ``source``) and canonicalise the
+        connector name; the checks run in this order, so the first bad key is named."""
+
         def fail(msg: str) -> None:
             raise AFDConfigError(f"{source}: {msg}")
 
+        self._validate_role_and_connector(fail)
+        self._validate_address_and_ranks(fail)
+        self._validate_flags_and_timeouts(fail)
+        self._validate_rank_and_dbo(fail)
+        self._validate_extra(fail)
+
+    def _validate_role_and_connector(self, fail) -> None:
         if not isinstance(self.role, str) or self.role not in ROLES:
             fail(f"'role' must be one of {', '.join(ROLES)}; got {self.role!r}")
         if not isinstance(self.connector, str):
@@ -154,6 +164,9 @@ class AFDConfig:
                 f"{', '.join(sorted(CONNECTOR_ALIASES))}"
             )
         object.__setattr__(self, "connector", canonical)
+
+    def _validate_address_and_ranks(self, fail) -> None:
+        """host, port, the rank counts and the FFN ranks' ports (port + f)."""
         if not isinstance(self.host, str):
             fail(f"'host' must be a string; got {type(self.host).__name__}")
         if not self.host.strip():
@@ -181,11 +194,15 @@ class AFDConfig:
             )
         if self.port + n - 1 > 65535:
             fail(f"FFN rank ports {self.port}..{self.port + n - 1} exceed 65535")
-        if canonical == "nccl" and n > NCCL_MAX_FFN_RANKS:
+        if self.connector == "nccl" and n > NCCL_MAX_FFN_RANKS:
             fail(
                 f"connector 'nccl' serves num_ffn_ranks <= {NCCL_MAX_FFN_RANKS} in this "
                 f"release; got {n} (use more attention ranks per FFN rank instead)"
             )
+
+    def _validate_flags_and_timeouts(self, fail) -> None:
+        """compute_gate_on_attention, timeout_s, rejoin_timeout_s, and that
+        connector_extra_config is an object with string keys."""
         if not isinstance(self.compute_gate_on_attention, bool):
             fail(
                 "'compute_gate_on_attention' must be true or false; "
@@ -203,10 +220,12 @@ class AFDConfig:
             )
         if any(not isinstance(k, str) for k in self.connector_extra_config):
             fail("'connector_extra_config' keys must be strings")
+
+    def _validate_rank_and_dbo(self, fail) -> None:
         if self.rank is not None:
             if not _is_int(self.rank):
                 fail(f"'rank' must be an integer; got {self.rank!r}")
-            limit = m if self.role == "attention" else n
+            limit = self.num_attention_ranks if self.role == "attention" else self.num_ffn_ranks
             if not 0 <= self.rank < limit:
                 fail(f"'rank' {self.rank} is out of range for role {self.role!r} (0..{limit - 1})")
         if self.dbo_min_tokens != "auto" and (
@@ -216,18 +235,22 @@ class AFDConfig:
                 "'dbo_min_tokens' must be \"auto\" or a non-negative integer (tokens of the "
                 f"smallest step split into micro-batches); got {self.dbo_min_tokens!r}"
             )
-        window = self.connector_extra_config.get("batch_window_ms", 0)
+
+    def _validate_extra(self, fail) -> None:
+        """The keys of connector_extra_config (docs/connectors.md)."""
+        extra = self.connector_extra_config
+        window = extra.get("batch_window_ms", 0)
         if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
             fail("connector_extra_config.batch_window_ms must be a non-negative number")
-        secret_env = self.connector_extra_config.get("secret_env")
+        secret_env = extra.get("secret_env")
         if secret_env is not None and not isinstance(secret_env, str):
             fail("connector_extra_config.secret_env must be the name of an environment variable")
         self._validate_failover(fail)
         for key in ("ffn_cuda_graphs", "early_step_control", "ffn_hot_poll"):
-            value = self.connector_extra_config.get(key, True)
+            value = extra.get(key, True)
             if not isinstance(value, bool):
                 fail(f"connector_extra_config.{key} must be true or false; got {value!r}")
-        per_pass = self.connector_extra_config.get("ffn_max_tokens_per_pass")
+        per_pass = extra.get("ffn_max_tokens_per_pass")
         if per_pass is not None and (not _is_int(per_pass) or per_pass < 1):
             fail(
                 "connector_extra_config.ffn_max_tokens_per_pass must be a positive integer "
@@ -235,7 +258,7 @@ class AFDConfig:
             )
         for key in ("ffn_cuda_graph_max_tokens", "ffn_cuda_graph_max_count",
                     "ffn_cuda_graph_window"):
-            value = self.connector_extra_config.get(key, 0)
+            value = extra.get(key, 0)
             if not _is_int(value) or value < 0:
                 fail(f"connector_extra_config.{key} must be a non-negative integer; got {value!r}")
 

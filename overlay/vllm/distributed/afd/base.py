@@ -8,7 +8,7 @@ messages are fixed-size (see ``vllm.afd.protocol``); data sizes are agreed
 from them, so nothing is ever received into a buffer of unknown size.
 
 The classes below declare everything the roles call (``vllm.afd.attention``,
-``vllm.afd.dbo``, ``vllm.afd.ffn_runner``). Connectors are registered by name
+``vllm.afd.dbo``, ``vllm.afd.ffn_runner``, ``vllm.afd.rejoin``). Connectors are registered by name
 and module path and imported on first use (:func:`create_connector`).
 """
 
@@ -48,6 +48,14 @@ class AttentionConnector(ABC):
     # re-run from its first layer (vllm.afd.rejoin); else a lost FFN rank ends the
     # engine whatever rejoin_timeout_s says.
     can_rejoin = False
+    # True when a forward during which the FFN rank was lost is re-run whole once the rank
+    # is back (cuda_ipc with connector_extra_config.ipc_rejoin: a CUDA graph cannot re-run
+    # half a step); vllm.afd.rejoin.run_forward then guards every model forward, and sets
+    # forwards_guarded while it does.
+    reruns_forward = False
+    forwards_guarded = False
+    # The FFN rank this attention rank exchanges with (another one after a failover).
+    ffn_rank = 0
 
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
@@ -68,6 +76,16 @@ class AttentionConnector(ABC):
 
     def lost_at(self) -> float | None:
         """time.monotonic() when the FFN rank was found lost; None while connected."""
+        return None
+
+    def holds_losses(self) -> bool:
+        """A loss of the FFN rank is held for a re-run of the forward instead of ending
+        the rank (``reruns_forward`` connectors, once the forwards are guarded)."""
+        return False
+
+    def step_lost(self) -> str | None:
+        """After a forward (its device work waited for): why the FFN rank was lost during
+        it, None when the pass was clean. Connectors with ``reruns_forward`` implement it."""
         return None
 
     @abstractmethod

@@ -115,8 +115,8 @@ POISON = 1 << 62
 
 def ipc_rejoin(config) -> bool:
     """``connector_extra_config.ipc_rejoin`` (default False): the attention role
-    rejoins a restarted FFN rank on cuda_ipc (docs/connectors.md; not proven on a
-    GPU yet)."""
+    rejoins a restarted FFN rank on cuda_ipc (docs/connectors.md; proven on one H200,
+    tests/gpu/test_gpu_ipc_restart.py)."""
     value = config.connector_extra_config.get("ipc_rejoin", False)
     if not isinstance(value, bool):
         raise ValueError(
@@ -379,7 +379,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         # Rejoin (connector_extra_config.ipc_rejoin): the graphs reach the FFN
         # rank's buffers through self.table only; a loss is held (not fatal) once
         # the model forward runs under vllm.afd.rejoin.run_forward.
-        self.rejoin = ipc_rejoin(ctx.config)
+        self.reruns_forward = ipc_rejoin(ctx.config)
         self.forwards_guarded = False
         self._held = False  # a loss held for run_forward (set by _hold)
         self.table: torch.Tensor | None = None
@@ -409,7 +409,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         self._side = torch.cuda.Stream(device=dev)
         # DBO: one stream per micro-batch for its exchange (see the module docstring).
         self._ub_streams = [torch.cuda.Stream(device=dev) for _ in range(SLOTS)]
-        if self.rejoin:
+        if self.reruns_forward:
             # The FFN rank's addresses, read by the graphs' kernels (ipc_kernels.*_via).
             self.table = torch.zeros(ROW, dtype=torch.int64, device=dev)
             self._point_table()
@@ -469,7 +469,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
 
     def _handshake(self, sock, deadline: float, rejoining: bool = False) -> None:
         super()._handshake(sock, deadline, rejoining)
-        if rejoining and self.rejoin:
+        if rejoining and self.reruns_forward:
             self._remap(sock, deadline)
 
     def _remap(self, sock, deadline: float) -> None:
@@ -502,7 +502,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
     def _rejoin_in_background(self) -> None:
         """With ipc_rejoin, only the forward's thread rejoins (the table may change
         only while no graph runs): vllm.afd.rejoin.run_forward."""
-        if not self.rejoin:
+        if not self.reruns_forward:
             super()._rejoin_in_background()
 
     @property
@@ -515,7 +515,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         """A loss is held for a rejoin (not fatal): ipc_rejoin is on, the window is
         not 0, and the forwards run under run_forward (which checks each one
         before its output is used)."""
-        return self.rejoin and self.forwards_guarded and self.ctx.config.rejoin_window_s > 0
+        return self.reruns_forward and self.forwards_guarded and self.ctx.config.rejoin_window_s > 0
 
     def _hold(self, msg: str) -> None:
         """The FFN rank is lost: note it (the forward's check sees it) and release
@@ -575,7 +575,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         self._control(num_tokens, ubatch_flags(0, count), int(ubatch_tokens[1]))
 
     def _control(self, num_tokens: int, flags: int, ub1_tokens: int) -> None:
-        if self.rejoin:
+        if self.reruns_forward:
             kernels.control_via(self.ctr_ctrl, self.table, num_tokens, flags, ub1_tokens)
         else:
             kernels.control(self.ctr_ctrl, self.ctrl_row, num_tokens, flags, ub1_tokens)
@@ -584,7 +584,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
         s, stream = self._slot_stream()
         with torch.cuda.stream(stream):
             dst = _view(self.inbox, self._send_off[s], x, s, self.slot_bytes)
-            if self.rejoin:
+            if self.reruns_forward:
                 offset = s * self.slot_bytes + self._send_off[s]
                 kernels.copy_via(x.contiguous(), self.table, offset)
                 kernels.signal_via(self.ctr_sent[s], self.table, C_DATA + s)
@@ -659,7 +659,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
                         f"({type(e).__name__}: {e}); this rank could no longer notice a "
                         "lost or silent FFN rank"
                     )
-            if msg is not None and self.rejoin and self.holds_losses():
+            if msg is not None and self.reruns_forward and self.holds_losses():
                 self._hold(msg)
                 continue
             if msg is not None:

@@ -12,6 +12,16 @@ ranks ``f*k .. f*k+k-1`` with ``k = num_attention_ranks / num_ffn_ranks``.
 With ``connector_extra_config.ffn_failover`` (FFN replicas, each holding every
 expert) an FFN rank also serves, as a guest, an attention rank of another replica
 whose hello says it fails over here, until that rank goes back home.
+
+The two classes here are also the base of the device connectors (``cuda_ipc``, ``nccl``),
+which keep this handshake and control channel and move the activations their own way.
+Their underscore members used or overridden by those subclasses are protected, not
+private - the subclass hooks: attention side ``_handshake``, ``_rejoin_in_background``,
+``_check``, ``_note_lost``, ``_dead``, ``_closed`` and ``_lock``; FFN side ``_admit``,
+``_accept_device``, ``_poll``, ``_release``, ``_lose``, ``_read_sockets``,
+``_refuse_hello``, ``_ever_complete``, ``_peer``, ``_check`` and ``_lock``. A change of
+one of them is a change of the device connectors too. Nothing outside
+``vllm.distributed.afd`` uses them.
 """
 
 from __future__ import annotations
