@@ -35,17 +35,17 @@ TREE_ARGS = $(if $(TREE),--tree $(TREE))
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
-fetch: ## download (or reuse from cache) the pinned sdist and wheels, sha256-checked
-	$(AFD) fetch all $(TARGET_ARGS)
+fetch: ## download (or reuse from cache) the pinned sdist and wheels, sha256-checked (FETCH_ARGS="--source DIR")
+	$(AFD) fetch all $(TARGET_ARGS) $(FETCH_ARGS)
 
-apply-patches: ## pinned vLLM source + overlay + patches/series -> build/vllm (git repo)
-	$(AFD) apply $(TARGET_ARGS)
+apply-patches: ## pinned vLLM source + overlay + patches/series -> build/vllm (git repo) (APPLY_ARGS="--force", "--source X")
+	$(AFD) apply $(TARGET_ARGS) $(APPLY_ARGS)
 
 export-patches: ## commits after the overlay commit in build/vllm -> patches/ and overlay/ (EXPORT_ARGS=--patches-only)
 	$(AFD) export $(TARGET_ARGS) $(EXPORT_ARGS)
 
 check: ## series applies strictly, re-export byte-identical, headers, prefixes compile; docs/upstream-status.md current
-	$(AFD) check $(TARGET_ARGS)
+	$(AFD) check $(TARGET_ARGS) $(CHECK_ARGS)
 	$(AFD) rebase-report --verify --out docs/upstream-status.md
 
 wheel: apply-patches ## custom CUDA wheel -> dist/vllm-X+afd.<rev>-cp38-abi3-manylinux_2_28_x86_64.whl
@@ -76,7 +76,7 @@ test-unit: fetch venv ## unit tests in the venv: tooling and AFD logic (overlay/
 	$(VPY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 test-cpu: models ## real vLLM on the CPU: plain checkpoints and the AFD oracle
-	$(VPY) -m pytest -q tests/cpu $(PYTEST_ARGS)
+	AFD_MODELS_DIR=$(abspath $(MODELS)) $(VPY) -m pytest -q tests/cpu $(PYTEST_ARGS)
 
 # The unit tests (about two minutes on one core) run beside the CPU tests, whose engines
 # leave a core idle while they start, wait or restart; their output follows the CPU tests'.
@@ -90,7 +90,8 @@ test: fetch models ## everything CI runs: lint, make check, unit and CPU tests
 	@unit_log=$$(mktemp); \
 	AFD_PORT_WINDOW=$(TEST_PORT_SPLIT)-65536 $(VPY) -m pytest -q -p no:cacheprovider tests/unit $(PYTEST_ARGS) \
 		> "$$unit_log" 2>&1 & unit=$$!; \
-	AFD_PORT_WINDOW=30100-$(TEST_PORT_SPLIT) $(VPY) -m pytest -q --durations=30 tests/cpu $(PYTEST_ARGS); \
+	AFD_PORT_WINDOW=30100-$(TEST_PORT_SPLIT) AFD_MODELS_DIR=$(abspath $(MODELS)) \
+		$(VPY) -m pytest -q --durations=30 tests/cpu $(PYTEST_ARGS); \
 	cpu_rc=$$?; wait $$unit; unit_rc=$$?; \
 	echo "--- tests/unit (ran beside tests/cpu): exit $$unit_rc"; cat "$$unit_log"; rm -f "$$unit_log"; \
 	echo "tests/cpu: exit $$cpu_rc, tests/unit: exit $$unit_rc"; \
@@ -128,7 +129,7 @@ test-target: models ## per-target CPU runtime check: oracle, vllm serve pair, me
 test-gpu: ## GPU tests (run on the GPU host): pytest -m gpu
 	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
 
-lint: ## ruff over scripts, tests, overlay
+lint: ## ruff over scripts, tests, overlay, benchmarks
 	$(VPY) -m ruff check scripts tests overlay benchmarks
 
 rebase: ## carry the series to release X (from the newest carried target; FROM=Y, TREE=dir, REBASE_ARGS=--drop-empty|--full-hunks)
@@ -141,7 +142,7 @@ rebase-continue: ## resume a stopped rebase after `git add` (REBASE_ARGS=--skip 
 rebase-abort: ## abort a rebase: the tree, patches/ and the pins stay exactly as before
 	$(AFD) rebase-abort $(if $(TO),--to $(TO)) $(TREE_ARGS)
 
-rebase-report: ## newest carried target's series (FROM=Y) on every newer release -> docs/upstream-status.md (incremental; RELEASES="a b")
+rebase-report: ## each release newer than the pin, tried with the series of the newest carried line older than it (FROM=Y: that line's for all) -> docs/upstream-status.md (incremental; RELEASES="a b")
 	$(AFD) rebase-report $(FROM_ARGS) --out docs/upstream-status.md $(if $(RELEASES),--releases $(RELEASES))
 
 drift: ## static check of overlay imports/calls against release X: make drift VLLM_VERSION=X
