@@ -70,7 +70,7 @@ def mixed_length_prompts(vocab: int = 600, first: int = 5, max_tokens: int = 32)
 
 
 def near_tie_divergences(plain: dict, got: dict, tie_tol: float, tol: float,
-                         windows: list[range] | None = None):
+                         windows: list[range] | None = None, min_equal: int = 0):
     """Greedy tokens of ``got`` equal plain vLLM's, or else each prompt's first divergence
     is a near-tie in plain's own distribution: ``got`` took a token of plain's top-k whose
     logprob is less than ``tie_tol`` below plain's best (a bf16 ulp elsewhere could have
@@ -80,7 +80,9 @@ def near_tie_divergences(plain: dict, got: dict, tie_tol: float, tol: float,
     (prompt, position, gap of the taken token to plain's best), largest logprob
     difference, tokens equal before the first divergences). ``windows`` (per prompt, the
     positions whose logprobs are compared; the largest difference of every position is
-    printed): the tokens are compared everywhere all the same."""
+    printed): the tokens are compared everywhere all the same. ``min_equal``: the fewest
+    tokens that must come before the divergences (a divergence ends its prompt's
+    comparison, so early ones would leave little compared)."""
     assert len(plain["outputs"]) == len(got["outputs"])
     divergences, worst, equal, anywhere = [], 0.0, 0, 0.0
     for i, (a, b) in enumerate(zip(plain["outputs"], got["outputs"])):
@@ -109,4 +111,6 @@ def near_tie_divergences(plain: dict, got: dict, tie_tol: float, tol: float,
         print(f"max |logprob diff| before the divergences: {worst:.4f} in the windows, "
               f"{anywhere:.4f} anywhere")
     assert worst <= tol, f"max |logprob diff| before the divergences {worst} > {tol}"
+    assert equal >= min_equal, (
+        f"only {equal} tokens (< {min_equal}) before the divergences {divergences}")
     return divergences, worst, equal

@@ -157,14 +157,18 @@ FAMILY_CASES: dict[str, tuple[str, int, tuple[str, ...]]] = {
 FAMILIES = {f.name: f for f in architectures.FAMILIES}
 
 
-def family_param(name: str):
-    """A case of a family the installed vLLM line does not mark is skipped, saying why."""
-    family = FAMILIES[FAMILY_CASES[name][0]]
+def unless_marked_here(family: architectures.Family) -> pytest.MarkDecorator:
+    """Skips a case of a family the installed vLLM line does not mark, saying why (also
+    tests/unit/test_afd_architectures.py)."""
     line = architectures.running_line()
-    return pytest.param(name, marks=pytest.mark.skipif(
+    return pytest.mark.skipif(
         line not in family.lines,
         reason=f"{family.name} is marked on vLLM {', '.join(family.lines)} only, not on "
-               f"{line}: {family.cpu_note}"))  # fmt: skip
+               f"{line}: {family.cpu_note}")  # fmt: skip
+
+
+def family_param(name: str):
+    return pytest.param(name, marks=unless_marked_here(FAMILIES[FAMILY_CASES[name][0]]))
 
 
 @pytest.mark.parametrize("name", [family_param(n) for n in FAMILY_CASES])

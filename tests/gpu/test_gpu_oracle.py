@@ -182,10 +182,10 @@ def test_gpu_oracle_compiled_graphs(name, tmp_path, procs):
     """torch.compile + FULL_DECODE_ONLY: the remote-FFN op stays opaque."""
     plain = _plain(name, "compiled-graphs", RUNNER, tmp_path / "plain", procs)
     afd = _afd(name, "cuda_ipc", 0, "compiled-graphs", RUNNER, tmp_path, procs)
-    divs, worst, equal = oracle_lib.near_tie_divergences(plain, afd, COMPILE_TOL, COMPILE_TOL)
     total = sum(oracle_lib.PROMPTS["max_tokens"])
     # a tie taken the other way ends its prompt's comparison: most tokens must be compared
-    assert equal >= total // 2, f"only {equal} of {total} tokens before the divergences {divs}"
+    divs, worst, equal = oracle_lib.near_tie_divergences(plain, afd, COMPILE_TOL, COMPILE_TOL,
+                                                         min_equal=total // 2)
     print(f"ORACLE {name} cuda_ipc compiled-graphs runner={RUNNER}: {equal} of {total} tokens "
           f"equal before {len(divs)} near-tie divergence(s), max |logprob diff| {worst:.3g}")
 
@@ -348,10 +348,10 @@ def test_gpu_oracle_dbo_grouped_routing_q_lora(tmp_path, procs):
     dbo = _qlora_run("attn_dbo", model, tmp_path, procs, port,
                      ("--enable-dbo", "--dbo-threshold", "2", "--dbo-prefill-threshold", "12"))
     total = sum(spec["max_tokens"])
-    divs, worst, equal = oracle_lib.near_tie_divergences(plain, dbo, QLORA_TIE_TOL, QLORA_TOL)
     # a divergence ends its prompt's comparison: most tokens must be compared (384 of 384
     # were equal on one H200, docs/gpu-results.md)
-    assert equal >= total // 2, f"only {equal} of {total} tokens before the divergences {divs}"
+    divs, worst, equal = oracle_lib.near_tie_divergences(plain, dbo, QLORA_TIE_TOL, QLORA_TOL,
+                                                         min_equal=total // 2)
     for i, pos, gap in divs:
         print(f"ORACLE deepseek_v2_qlora DBO divergence: prompt {i} "
               f"({oracle_lib.MIXED_LENGTHS[i]} tokens) at generated token {pos}, plain's "

@@ -118,15 +118,9 @@ def test_engine_config_refuses_an_unmarked_checkpoint(tmp_path):
         args.create_engine_config()
 
 
-def marked_here(family: arch.Family):
-    """A family not marked on the installed vLLM line is skipped, saying why."""
-    line = arch.running_line()
-    return pytest.param(family, id=family.name, marks=pytest.mark.skipif(
-        line not in family.lines,
-        reason=f"{family.name} is marked on vLLM {', '.join(family.lines)} only, not {line}"))
-
-
-@pytest.mark.parametrize("family", [marked_here(f) for f in arch.FAMILIES])
+@pytest.mark.parametrize("family", [
+    pytest.param(f, id=f.name, marks=test_afd_oracle.unless_marked_here(f)) for f in arch.FAMILIES
+])
 def test_families_resolve_in_vllm(family):
     """The installed vLLM knows every model class of a family marked on its line."""
     from vllm.model_executor.models import ModelRegistry

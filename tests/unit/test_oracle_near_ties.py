@@ -36,6 +36,13 @@ def test_a_near_tie_taken_the_other_way_is_reported_and_ends_the_prompt():
     assert worst == pytest.approx(0.01) and equal == 3 + 1
 
 
+def test_too_few_tokens_before_the_divergences_fail():
+    other = _out((1, {1: -0.51, 2: -1.0}), (4, {3: -0.72, 4: -0.71}), (9, {9: -0.1}))
+    oracle_lib.near_tie_divergences(PLAIN, _run(P, other), 0.1, 0.05, min_equal=4)
+    with pytest.raises(AssertionError, match=r"only 4 tokens \(< 5\) before the divergences"):
+        oracle_lib.near_tie_divergences(PLAIN, _run(P, other), 0.1, 0.05, min_equal=5)
+
+
 def test_an_exact_tie_taken_the_other_way_is_a_near_tie():
     tied = _out((1, {2: -0.5, 1: -0.5}), (3, {3: -0.7}), (5, {5: -0.1}))
     other = _out((2, {2: -0.5, 1: -0.5}), (3, {3: -0.7}), (5, {5: -0.1}))
