@@ -111,34 +111,56 @@ def export(repo: Target, tree: Path, force: bool = False, patches_only: bool = F
     state = read_state(tree) or {}
     source = state.get("source") or None
     if not force:
-        if state.get("inputs") != inputs_fingerprint(repo, source):
-            raise AfdError(
-                f"patches/, overlay/ or the pin changed since {tree} was built, so exporting "
-                "would overwrite those changes. Run `make apply-patches` first (it refuses if "
-                "that would lose tree work), or pass --force to overwrite them from the tree."
-            )
-        n_commits = len(git(tree, "rev-list", f"{OVERLAY_TAG}..HEAD").split())
-        if state.get("status") == "failed" and n_commits < len(state.get("series", [])):
-            raise AfdError(
-                f"the last `make apply-patches` stopped early and {tree} holds only {n_commits} "
-                f"of {len(state['series'])} patches; exporting would drop the rest. Re-run "
-                "`make apply-patches`, or pass --force if dropping them is intended."
-            )
-        # The export's own uncommitted output (state recorded by export, inputs unchanged
-        # since) is not user work; anything else uncommitted in patches/ or overlay/ is.
-        own_output = state.get("by") == "export"
-        if (repo.root / ".git").exists() and not own_output:
-            dirty = status_porcelain(repo.root, repo.patches_label,
-                                     *(() if patches_only else ("overlay",)))
-            if dirty:
-                raise AfdError(
-                    f"{repo.root} has uncommitted changes in patches/ or overlay/ that an export "
-                    "would overwrite; commit them first or pass --force:\n  " + "\n  ".join(dirty)
-                )
-
+        refuse_lost_work(repo, tree, state, patches_only)
     base = ls_tree_files(tree, BASE_TAG)
     head = ls_tree_files(tree, "HEAD")
-    notes = []
+    notes, excluded = split_commits(tree, base)
+    new_overlay = {p: m for p, m in head.items() if p not in base}
+    changes = write_overlay(repo, tree, new_overlay)
+    names, written = write_patches(repo, tree, excluded, notes)
+    changes += written
+    # The tree now corresponds to the exported inputs: a following apply is a no-op.
+    write_state(tree, **dict(state, inputs=inputs_fingerprint(repo, source), status="ok",
+                             head=rev_parse(tree, "HEAD"), series=names, by="export",
+                             overlay=sorted(new_overlay), format=1))
+    for n in notes:
+        print(f"note: {n}")
+    return changes
+
+
+def refuse_lost_work(repo: Target, tree: Path, state: dict, patches_only: bool) -> None:
+    """AfdError where the export would overwrite work: inputs changed since the tree was
+    built, patches an apply that stopped early never committed, or uncommitted edits in
+    patches/ (and overlay/, unless ``patches_only``)."""
+    if state.get("inputs") != inputs_fingerprint(repo, state.get("source") or None):
+        raise AfdError(
+            f"patches/, overlay/ or the pin changed since {tree} was built, so exporting "
+            "would overwrite those changes. Run `make apply-patches` first (it refuses if "
+            "that would lose tree work), or pass --force to overwrite them from the tree."
+        )
+    n_commits = len(git(tree, "rev-list", f"{OVERLAY_TAG}..HEAD").split())
+    if state.get("status") == "failed" and n_commits < len(state.get("series", [])):
+        raise AfdError(
+            f"the last `make apply-patches` stopped early and {tree} holds only {n_commits} "
+            f"of {len(state['series'])} patches; exporting would drop the rest. Re-run "
+            "`make apply-patches`, or pass --force if dropping them is intended."
+        )
+    # The export's own uncommitted output (state recorded by export, inputs unchanged
+    # since) is not user work; anything else uncommitted in patches/ or overlay/ is.
+    if (repo.root / ".git").exists() and state.get("by") != "export":
+        dirty = status_porcelain(repo.root, repo.patches_label,
+                                 *(() if patches_only else ("overlay",)))
+        if dirty:
+            raise AfdError(
+                f"{repo.root} has uncommitted changes in patches/ or overlay/ that an export "
+                "would overwrite; commit them first or pass --force:\n  " + "\n  ".join(dirty)
+            )
+
+
+def split_commits(tree: Path, base: dict[str, str]) -> tuple[list[str], set[str]]:
+    """Notes on the commits after afd/overlay that touch overlay files (split, or no
+    patch at all), and those overlay paths (left out of the patches)."""
+    notes: list[str] = []
     excluded: set[str] = set()
     for commit in git(tree, "rev-list", "--reverse", f"{OVERLAY_TAG}..HEAD").split():
         paths = changed_paths(tree, commit)
@@ -150,13 +172,15 @@ def export(repo: Target, tree: Path, force: bool = False, patches_only: bool = F
             notes.append(f"split {commit[:12]} {subject!r}: {len(ov)} overlay file(s) -> overlay/")
         elif ov:
             notes.append(f"{commit[:12]} {subject!r} touches only overlay files -> no patch")
+    return notes, excluded
 
-    changes: list[str] = []
-    # overlay/
-    new_overlay = {p: m for p, m in head.items() if p not in base}
+
+def write_overlay(repo: Target, tree: Path, new_overlay: dict[str, str]) -> list[str]:
+    """overlay/ made equal to the tree's overlay files (path -> git mode); the changes."""
     for rel, mode in new_overlay.items():
         if mode not in ("100644", "100755"):
             raise AfdError(f"{tree}/{rel}: overlay files must be regular files (mode {mode})")
+    changes: list[str] = []
     old_overlay = overlay_files(repo.overlay)
     for rel, mode in sorted(new_overlay.items()):
         data = (tree / rel).read_bytes()
@@ -175,10 +199,17 @@ def export(repo: Target, tree: Path, force: bool = False, patches_only: bool = F
         while d != repo.overlay and d.is_dir() and not any(d.iterdir()):
             d.rmdir()
             d = d.parent
+    return changes
 
-    # patches/ (targets/X/patches/ for a target X)
+
+def write_patches(repo: Target, tree: Path, excluded: set[str],
+                  notes: list[str]) -> tuple[list[str], list[str]]:  # fmt: skip
+    """patches/ (targets/X/patches/ for a target X) and its series from the tree's commits
+    without the ``excluded`` paths; the patch names and the changes (``notes`` gets what
+    was left in place)."""
     label = repo.patches_label
     old_series = read_series(repo)
+    changes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="afd-export-") as tmp:
         produced = format_patches(tree, Path(tmp), sorted(excluded))
         repo.patches.mkdir(parents=True, exist_ok=True)
@@ -202,14 +233,7 @@ def export(repo: Target, tree: Path, force: bool = False, patches_only: bool = F
     if not old_series.path.is_file() or old_series.path.read_text() != series_text:
         old_series.path.write_text(series_text)
         changes.append(f"rewrote {label}/series")
-
-    # The tree now corresponds to the exported inputs: a following apply is a no-op.
-    write_state(tree, **dict(state, inputs=inputs_fingerprint(repo, source), status="ok",
-                             head=rev_parse(tree, "HEAD"), series=names, by="export",
-                             overlay=sorted(new_overlay), format=1))
-    for n in notes:
-        print(f"note: {n}")
-    return changes
+    return names, changes
 
 
 def add_arguments(parser) -> None:

@@ -32,6 +32,7 @@ import subprocess
 import time
 import zipfile
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,7 +88,7 @@ class Member:
         return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode(), size
 
 
-def _raw_member_bytes(fh, info: zipfile.ZipInfo):
+def _raw_member_bytes(fh, info: zipfile.ZipInfo) -> Iterable[bytes]:
     """Yield the compressed bytes of a member, read straight from the archive file."""
     if info.flag_bits & 0x1:
         raise AfdError(f"{info.filename}: encrypted zip members are not supported")
@@ -117,92 +118,53 @@ def write_zip(path: Path, members: list[Member], src_path: Path | None = None) -
             for m in members:
                 name = m.name.encode("utf-8")
                 flags = 0x800 if not m.name.isascii() else 0
-                if m.data is not None:
-                    co = zlib.compressobj(6, zlib.DEFLATED, -15)
-                    payload = co.compress(m.data) + co.flush()
-                    method, crc, usize = 8, zlib.crc32(m.data), len(m.data)
-                    chunks = [payload]
-                    csize = len(payload)
-                else:
-                    assert m.src is not None and src_fh is not None
-                    info = m.src
-                    method, crc, usize, csize = (
-                        info.compress_type,
-                        info.CRC,
-                        info.file_size,
-                        info.compress_size,
-                    )
-                    if method not in (0, 8):
-                        raise AfdError(f"{info.filename}: unsupported compression {method}")
-                    chunks = _raw_member_bytes(src_fh, info)
+                method, crc, csize, usize, chunks = _member_payload(m, src_fh)
                 offset = out.tell()
                 if max(offset, csize, usize) >= 0xFFFFFFFF:
                     raise AfdError(f"{m.name}: zip64 sizes are not supported")
-                out.write(
-                    struct.pack(
-                        "<4sHHHHHIIIHH",
-                        b"PK\x03\x04",
-                        20,
-                        flags,
-                        method,
-                        tod,
-                        date,
-                        crc,
-                        csize,
-                        usize,
-                        len(name),
-                        0,
-                    )
-                )
+                out.write(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, flags, method, tod,
+                                      date, crc, csize, usize, len(name), 0))  # fmt: skip
                 out.write(name)
                 for chunk in chunks:
                     out.write(chunk)
                 central.append((name, flags, method, crc, csize, usize, offset, m.mode))
-            cd_start = out.tell()
-            for name, flags, method, crc, csize, usize, offset, mode in central:
-                out.write(
-                    struct.pack(
-                        "<4sHHHHHHIIIHHHHHII",
-                        b"PK\x01\x02",
-                        (3 << 8) | 20,  # made by: unix, zip 2.0
-                        20,
-                        flags,
-                        method,
-                        tod,
-                        date,
-                        crc,
-                        csize,
-                        usize,
-                        len(name),
-                        0,
-                        0,
-                        0,
-                        0,
-                        ((0o100000 | mode) << 16) & 0xFFFFFFFF,
-                        offset,
-                    )
-                )
-                out.write(name)
-            cd_size = out.tell() - cd_start
-            if len(central) >= 0xFFFF:
-                raise AfdError("too many zip members for a non-zip64 archive")
-            out.write(
-                struct.pack(
-                    "<4sHHHHIIH",
-                    b"PK\x05\x06",
-                    0,
-                    0,
-                    len(central),
-                    len(central),
-                    cd_size,
-                    cd_start,
-                    0,
-                )
-            )
+            _write_central_directory(out, central, date, tod)
     finally:
         if src_fh:
             src_fh.close()
     os.replace(tmp, path)
+
+
+def _member_payload(m: Member, src_fh) -> tuple[int, int, int, int, Iterable[bytes]]:
+    """(method, crc, compressed size, size, chunks) of a member: its data deflated, or its
+    bytes in the source zip (open as ``src_fh``) as they are."""
+    if m.data is not None:
+        co = zlib.compressobj(6, zlib.DEFLATED, -15)
+        payload = co.compress(m.data) + co.flush()
+        return 8, zlib.crc32(m.data), len(payload), len(m.data), [payload]
+    assert m.src is not None and src_fh is not None
+    info = m.src
+    if info.compress_type not in (0, 8):
+        raise AfdError(f"{info.filename}: unsupported compression {info.compress_type}")
+    return (info.compress_type, info.CRC, info.compress_size, info.file_size,
+            _raw_member_bytes(src_fh, info))  # fmt: skip
+
+
+def _write_central_directory(out, central: list[tuple], date: int, tod: int) -> None:
+    """The central directory of the members written so far, and the end record."""
+    cd_start = out.tell()
+    for name, flags, method, crc, csize, usize, offset, mode in central:
+        made_by = (3 << 8) | 20  # unix, zip 2.0
+        attrs = ((0o100000 | mode) << 16) & 0xFFFFFFFF
+        out.write(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", made_by, 20, flags,
+                              method, tod, date, crc, csize, usize, len(name), 0, 0, 0, 0,
+                              attrs, offset))  # fmt: skip
+        out.write(name)
+    cd_size = out.tell() - cd_start
+    if len(central) >= 0xFFFF:
+        raise AfdError("too many zip members for a non-zip64 archive")
+    out.write(struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(central), len(central),
+                          cd_size, cd_start, 0))  # fmt: skip
 
 
 def record_bytes(members: list[Member], record_name: str, src_zip: zipfile.ZipFile | None) -> bytes:
@@ -415,7 +377,6 @@ def repack(
     changes = tree_changes(tree, base_ref)
     blobs = read_blobs(tree, [c.blob for c in changes if c.status != "D"])
     result = BuildResult(path=out_path, version=version)
-    new_dist_info = f"vllm-{version}.dist-info"
 
     with zipfile.ZipFile(upstream) as src:
         infos = [i for i in src.infolist() if not i.filename.endswith("/")]
@@ -428,35 +389,9 @@ def repack(
 
         members: list[Member] = []
         for info in infos:
-            name = info.filename
-            if name.startswith(old_dist_info + "/"):
-                continue
-            change = change_by_path.get(name)
-            if change is None and name == VERSION_MODULE:
-                data = rewrite_version_module(src.read(info), version)
-                members.append(Member(name, mode_of(info), data=data))
-                result.replaced.append(name)
-                continue
-            if change is None:
-                members.append(Member(name, mode_of(info), src=info))
-                result.copied += 1
-                continue
-            if not name.endswith(".py"):
-                raise AfdError(
-                    f"{name}: the series changes a non-.py file of the upstream wheel; "
-                    "compiled and data files must stay byte-identical"
-                )
-            if change.status == "D":
-                result.removed.append(name)
-                continue
-            data = blobs[change.blob]
-            src_data = src.read(info)
-            if data == src_data:  # upstream wheel already matches the tree
-                members.append(Member(name, mode_of(info), src=info))
-                result.copied += 1
-            else:
-                members.append(Member(name, change.mode, data=data))
-                result.replaced.append(name)
+            if not info.filename.startswith(old_dist_info + "/"):
+                change = change_by_path.get(info.filename)
+                members += _upstream_member(src, info, change, blobs, version, result)
         for change in changes:
             if change.path in by_name or change.status == "D":
                 continue
@@ -466,26 +401,62 @@ def repack(
             Member(REVISION_MODULE, 0o644, data=revision_module(rev, base_version, variant))
         )
         result.added.append(REVISION_MODULE)
-
-        for name in names:
-            if not name.startswith(old_dist_info + "/"):
-                continue
-            rel = name[len(old_dist_info) + 1 :]
-            if rel == "RECORD":
-                continue
-            data = src.read(name)
-            if rel == "METADATA":
-                data = rewrite_metadata(data.decode(), version, variant).encode()
-            elif rel == "WHEEL":
-                data = rewrite_wheel_file(data.decode()).encode()
-            members.append(Member(f"{new_dist_info}/{rel}", 0o644, data=data))
+        members += _dist_info_members(src, old_dist_info, version, variant)
 
         members = order_members(members)
-        record_name = f"{new_dist_info}/RECORD"
+        record_name = f"vllm-{version}.dist-info/RECORD"
         record = record_bytes(members, record_name, src)
         members.append(Member(record_name, 0o644, data=record))
     write_zip(out_path, members, src_path=upstream)
     return result
+
+
+def _upstream_member(src: zipfile.ZipFile, info: zipfile.ZipInfo, change, blobs: dict,
+                     version: str, result: BuildResult) -> list[Member]:  # fmt: skip
+    """What becomes of a file of the upstream wheel (not of its dist-info), given the
+    tree's ``change`` of it (None: unchanged): kept as it is, replaced, or removed (no
+    member); counted in ``result``."""
+    name = info.filename
+    if change is None and name == VERSION_MODULE:
+        result.replaced.append(name)
+        return [Member(name, mode_of(info), data=rewrite_version_module(src.read(info), version))]
+    if change is None:
+        result.copied += 1
+        return [Member(name, mode_of(info), src=info)]
+    if not name.endswith(".py"):
+        raise AfdError(
+            f"{name}: the series changes a non-.py file of the upstream wheel; "
+            "compiled and data files must stay byte-identical"
+        )
+    if change.status == "D":
+        result.removed.append(name)
+        return []
+    data = blobs[change.blob]
+    if data == src.read(info):  # upstream wheel already matches the tree
+        result.copied += 1
+        return [Member(name, mode_of(info), src=info)]
+    result.replaced.append(name)
+    return [Member(name, change.mode, data=data)]
+
+
+def _dist_info_members(src: zipfile.ZipFile, old_dist_info: str, version: str,
+                       variant: str) -> list[Member]:  # fmt: skip
+    """The upstream dist-info's files under the custom version's name (METADATA and WHEEL
+    rewritten), but RECORD: the caller writes it last."""
+    members = []
+    for name in src.namelist():
+        if name.endswith("/") or not name.startswith(old_dist_info + "/"):
+            continue
+        rel = name[len(old_dist_info) + 1 :]
+        if rel == "RECORD":
+            continue
+        data = src.read(name)
+        if rel == "METADATA":
+            data = rewrite_metadata(data.decode(), version, variant).encode()
+        elif rel == "WHEEL":
+            data = rewrite_wheel_file(data.decode()).encode()
+        members.append(Member(f"vllm-{version}.dist-info/{rel}", 0o644, data=data))
+    return members
 
 
 # --------------------------------------------------------------------------------------------
