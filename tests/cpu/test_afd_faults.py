@@ -49,6 +49,7 @@ from harness import (
     wait_for,
     wait_healthy,
 )
+from oracle_lib import LOGPROB_TOL
 
 import serve_util as su
 
@@ -58,7 +59,6 @@ MODEL = "qwen3_moe"
 AFD_TIMEOUT_S = 30.0
 BOUND_S = AFD_TIMEOUT_S + 5  # a lost peer must be acted on within timeout_s + 5 s
 START_TIMEOUT_S = 300.0
-LOGPROB_TOL = 1e-4
 GROUP_DRAIN_S = 30.0  # children of an exited server must be gone within this
 DRAIN_S = 60  # --shutdown-timeout of the attention server in the SIGTERM test
 

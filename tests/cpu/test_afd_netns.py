@@ -31,14 +31,13 @@ from pathlib import Path
 
 import pytest
 from harness import AfdProc, start_plain
-from oracle_lib import assert_outputs_match
+from oracle_lib import LOGPROB_TOL, assert_outputs_match
 
 import serve_util as su
 
 pytestmark = pytest.mark.cpu_e2e
 
 MODEL = "qwen3_moe"
-LOGPROB_TOL = 1e-4
 START_TIMEOUT_S = 420
 CUT_TIMEOUT_S = 5
 SPEC = {

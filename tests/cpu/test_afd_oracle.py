@@ -22,13 +22,18 @@ import harness
 import pytest
 from harness import AfdProc, afd_json, cpu_shm_files, ffn_stopped_counts
 from harness import free_afd_port as free_port
-from oracle_lib import PROMPTS, assert_outputs_match, mixed_length_prompts, write_prompts
+from oracle_lib import (
+    LOGPROB_TOL,
+    PROMPTS,
+    assert_outputs_match,
+    mixed_length_prompts,
+    write_prompts,
+)
 
 from vllm.afd import architectures
 
 pytestmark = pytest.mark.cpu_e2e
 
-LOGPROB_TOL = 1e-4
 START_TIMEOUT = 420  # engine start on a loaded 2-core machine
 
 

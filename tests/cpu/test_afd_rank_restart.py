@@ -26,6 +26,7 @@ from harness import (
     wait_healthy,
     wait_log,
 )
+from oracle_lib import LOGPROB_TOL
 
 import serve_util as su
 
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.cpu_e2e
 MODEL = "qwen3_moe"
 AFD_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 300.0
-LOGPROB_TOL = 1e-4
 STREAM_PROMPTS = ["Story number 0: once upon a time", "Story number 1: once upon a time",
                   "Story number 2: once upon a time"]  # fmt: skip
 STREAM_TOKENS = 160

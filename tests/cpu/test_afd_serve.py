@@ -41,6 +41,7 @@ from harness import (
     wait_for,
     wait_healthy,
 )
+from oracle_lib import LOGPROB_TOL
 
 import serve_util as su
 
@@ -49,7 +50,6 @@ pytestmark = pytest.mark.cpu_e2e
 MODEL = "qwen3_moe"  # 3 layers, all served by the FFN rank
 AFD_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 240.0
-LOGPROB_TOL = 1e-4
 PROMPTS = [
     "Hello, my name is",
     "The capital of France is",
