@@ -491,7 +491,7 @@ def run_breakdown(work: Path, tag: str, timeout: float = 120.0) -> dict:
     return bd.as_json(r)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint or config directory")
     p.add_argument("--load-format", default="auto", help="'dummy' for real shapes, no weights")
@@ -550,6 +550,11 @@ def main() -> int:
     p.add_argument("--afd", help=argparse.SUPPRESS)
     p.add_argument("--profile-dir", help=argparse.SUPPRESS)
     p.add_argument("--attention-rank", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> int:
+    p = build_parser()
     a = p.parse_args()
     if a.output_len < 2:
         p.error("--output-len must be at least 2")
@@ -561,6 +566,25 @@ def main() -> int:
         return run_generate(a)
     if a._role == "ffn":
         return run_ffn(a)
+    batches, routings, modes = check_sweep(p, a)
+    print_header(a, batches, routings, modes)
+    results = run_sweep(a, common_args(a), batches, routings, modes)
+    summary = summarize(results, batches, routings, modes)
+    print_table(a, summary)
+    print_breakdowns(a, results)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "mps": a.mps, "engines": a.engines,
+                                            "rounds": a.rounds, "summary": summary,
+                                            "results": results}, indent=1))
+    failed = [r for r in results if "breakdown_error" in r]
+    for r in failed:
+        print(f"breakdown failed: batch {r['batch']} {r['mode']}: {r['breakdown_error']}",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+def check_sweep(p: argparse.ArgumentParser, a) -> tuple[list[int], list[str], list[str]]:
+    """The sweep's batch sizes, routings and modes; ``p.error`` for what cannot run."""
     if bool(a.attention_cpus) != bool(a.ffn_cpus):
         p.error("--attention-cpus and --ffn-cpus go together")
     for spec in (a.attention_cpus, a.ffn_cpus):
@@ -584,6 +608,18 @@ def main() -> int:
                 "N times)")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
+    routings = ["model", "balanced"] if a.routing == "both" else [a.routing]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = set(modes) - {"plain", "afd", "afd_dbo"}
+    if bad:
+        p.error(f"unknown mode(s) {sorted(bad)}")
+    if len(set(modes)) < len(modes):
+        p.error(f"--modes {a.modes}: a mode given twice (--rounds N measures each N times)")
+    return batches, routings, modes
+
+
+def common_args(a) -> list[str]:
+    """The arguments of every measuring process (the engine, its shapes and timings)."""
     common = ["--model", a.model, "--load-format", a.load_format, "--dtype", a.dtype,
               "--input-len", str(a.input_len),
               "--output-len", str(a.output_len), "--repeats", str(a.repeats)]
@@ -597,13 +633,11 @@ def main() -> int:
         common += ["--kv-cache-memory-bytes", str(a.kv_cache_memory_bytes)]
     if a.dbo_threshold is not None:
         common += ["--dbo-threshold", str(a.dbo_threshold)]
-    routings = ["model", "balanced"] if a.routing == "both" else [a.routing]
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = set(modes) - {"plain", "afd", "afd_dbo"}
-    if bad:
-        p.error(f"unknown mode(s) {sorted(bad)}")
-    if len(set(modes)) < len(modes):
-        p.error(f"--modes {a.modes}: a mode given twice (--rounds N measures each N times)")
+    return common
+
+
+def print_header(a, batches: list[int], routings: list[str], modes: list[str]) -> None:
+    """The machine and the sweep, and the notes on shared GPUs and dummy routing."""
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
           f"device {a.device}; model {a.model} ({a.load_format}, {a.dtype}); batches {batches}, "
           f"input {a.input_len}, output {a.output_len}; connector {a.connector}; "
@@ -618,6 +652,11 @@ def main() -> int:
                  dummy_routing_note(a.load_format, routings)):
         if note:
             print(note, file=sys.stderr, flush=True)
+
+
+def run_sweep(a, common: list[str], batches: list[int], routings: list[str],
+              modes: list[str]) -> list[dict]:  # fmt: skip
+    """Every (batch, routing, round, mode) measured, a line printed for each."""
     results = []
     if a.log_dir:
         Path(a.log_dir).mkdir(parents=True, exist_ok=True)
@@ -643,7 +682,11 @@ def main() -> int:
                           f"{r['prefill_s']:.3f} s  ({r['wall_s']:.0f} s"
                           + (f", round {rnd + 1}/{a.rounds})" if a.rounds > 1 else ")"),
                           flush=True)
-    summary = summarize(results, batches, routings, modes)
+    return results
+
+
+def print_table(a, summary: list[dict]) -> None:
+    """Each mode's TPOT, decode throughput and ratio to plain vLLM."""
     span = f", median of {a.rounds} rounds (range)" if a.rounds > 1 else ""
     print(f"\nbatch routing   mode      TPOT ms     tok/s   vs plain (throughput ratio)"
           f"   [{a.engines} engine(s) per mode" + (f", {'MPS' if a.mps else 'no MPS'}"
@@ -654,6 +697,10 @@ def main() -> int:
                   if a.rounds > 1 else "")
         print(f"{row['batch']:5d} {row['routing']:9s} {row['mode']:8s} "
               f"{row['tpot_s'] * 1e3:8.2f} {row['decode_tok_s']:9.1f}   {ratio}{spread}")
+
+
+def print_breakdowns(a, results: list[dict]) -> None:
+    """The per-layer breakdown of the runs that profiled one (--breakdown)."""
     with_bd = [r for r in results if "breakdown" in r]
     if with_bd:
         print("\nper-layer breakdown (us per step; benchmarks/breakdown.py): attention, FFN "
@@ -666,15 +713,6 @@ def main() -> int:
                   f"{c['attention']:9.1f}  FFN {c['ffn compute']:9.1f}  transfer "
                   f"{c['transfer']:8.1f}  bound {c['bound']:9.1f}  step {c['step']:9.1f}  "
                   f"gap {c['gap %']:5.1f}%  ({layers:g} exchanges/step)")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "mps": a.mps, "engines": a.engines,
-                                            "rounds": a.rounds, "summary": summary,
-                                            "results": results}, indent=1))
-    failed = [r for r in results if "breakdown_error" in r]
-    for r in failed:
-        print(f"breakdown failed: batch {r['batch']} {r['mode']}: {r['breakdown_error']}",
-              file=sys.stderr)
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import random
 import sys
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="config directory (benchmarks/make_shape.py)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -38,6 +38,11 @@ def main(argv=None) -> int:
         ap.error("--batch, --steps and --input-len must be at least 1")
     if not os.path.isfile(os.path.join(a.model, "config.json")):
         ap.error(f"--model {a.model}: no config.json")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # hooks in this process
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.pop("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", None)  # the checkpoint's router
@@ -45,26 +50,10 @@ def main(argv=None) -> int:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         os.environ.setdefault("VLLM_MLA_DISABLE", "1")
 
-    import torch
-
-    import vllm.model_executor.layers.fused_moe.router.fused_topk_router as ftr
-    import vllm.model_executor.layers.fused_moe.router.grouped_topk_router as gtr
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    picked: list[tuple[int, int]] = []  # (tokens, distinct experts) of vLLM's own routing
-
-    def counting(fn):
-        def wrapper(*args, **kw):
-            out = fn(*args, **kw)
-            ids = out[1]
-            picked.append((int(ids.shape[0]), int(torch.unique(ids).numel())))
-            return out
-        return wrapper
-
-    gtr.grouped_topk = counting(gtr.grouped_topk)
-    ftr.fused_topk = counting(ftr.fused_topk)
-
+    picked = count_vllm_routing()
     llm = LLM(model=a.model, load_format="dummy", enforce_eager=True, dtype="bfloat16",
               max_model_len=a.input_len + a.steps + 8, max_num_seqs=a.batch,
               max_num_batched_tokens=max(a.batch * a.input_len, 256), seed=0,
@@ -77,7 +66,62 @@ def main(argv=None) -> int:
     hf = llm.llm_engine.model_config.hf_config
     top_k = hf.num_experts_per_tok
     experts = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", "?")
-    records = []
+    records: list[dict] = []
+    gates[0].register_forward_hook(record_router(records, top_k))
+    picked.clear()  # the warm-up's calls
+    vocab = llm.get_tokenizer().vocab_size
+    rng = random.Random(0)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab - 1)
+                                              for _ in range(a.input_len)])
+               for _ in range(a.batch)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.steps, ignore_eos=True),
+                 use_tqdm=False)
+    print(f"{a.model}: {len(gates)} MoE layers, {experts} experts, top-{top_k}, "
+          f"{a.batch} prompts, device {a.device}")
+    print_records(records)
+    # vLLM's routing function runs once per MoE layer and call
+    own = picked[::len(gates)] if picked else []
+    if own:
+        print("vLLM's own routing, first MoE layer (tokens, distinct experts): "
+              + ", ".join(f"({t}, {e})" for t, e in own))
+    else:
+        print("vLLM's own routing: not reached through grouped_topk/fused_topk on this "
+              "device (the CPU MoE routes in its own kernel)")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"model": a.model, "device": a.device, "experts": experts,
+                       "top_k": top_k, "router_calls": records, "vllm_routing": own}, fh,
+                      indent=1)
+    return 0
+
+
+def count_vllm_routing() -> list[tuple[int, int]]:
+    """vLLM's routing functions (grouped_topk, fused_topk) wrapped: the list they append
+    (tokens, distinct experts) to on each call."""
+    import torch
+
+    import vllm.model_executor.layers.fused_moe.router.fused_topk_router as ftr
+    import vllm.model_executor.layers.fused_moe.router.grouped_topk_router as gtr
+
+    picked: list[tuple[int, int]] = []
+
+    def counting(fn):
+        def wrapper(*args, **kw):
+            out = fn(*args, **kw)
+            ids = out[1]
+            picked.append((int(ids.shape[0]), int(torch.unique(ids).numel())))
+            return out
+        return wrapper
+
+    gtr.grouped_topk = counting(gtr.grouped_topk)
+    ftr.fused_topk = counting(ftr.fused_topk)
+    return picked
+
+
+def record_router(records: list[dict], top_k: int):
+    """A forward hook for a router (mlp.gate) that appends a record of each call: its
+    logits' size and the experts a top-k of their softmax picks (native dtype and fp32)."""
+    import torch
 
     def hook(_mod, _inp, out):
         logits = out[0] if isinstance(out, tuple) else out
@@ -91,38 +135,16 @@ def main(argv=None) -> int:
             "experts_fp32_softmax": int(torch.unique(fp32.topk(top_k, -1).indices).numel()),
         })
 
-    gates[0].register_forward_hook(hook)
-    picked.clear()  # the warm-up's calls
-    vocab = llm.get_tokenizer().vocab_size
-    rng = random.Random(0)
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(10, vocab - 1)
-                                              for _ in range(a.input_len)])
-               for _ in range(a.batch)]
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=a.steps, ignore_eos=True),
-                 use_tqdm=False)
-    n_moe = len(gates)
-    print(f"{a.model}: {n_moe} MoE layers, {experts} experts, top-{top_k}, "
-          f"{a.batch} prompts, device {a.device}")
+    return hook
+
+
+def print_records(records: list[dict]) -> None:
     print(f"{'tokens':>7} {'dtype':>9} {'max|logit|':>11} {'distinct scores':>15} "
           f"{'experts (native softmax)':>24} {'experts (fp32 softmax)':>22}")
     for r in records:
         print(f"{r['tokens']:>7} {r['dtype']:>9} {r['max_abs_logit']:>11.2e} "
               f"{r['distinct_scores_token0']:>15} {r['experts_native_softmax']:>24} "
               f"{r['experts_fp32_softmax']:>22}")
-    # vLLM's routing function runs once per MoE layer and call
-    own = picked[::n_moe] if picked else []
-    if own:
-        print("vLLM's own routing, first MoE layer (tokens, distinct experts): "
-              + ", ".join(f"({t}, {e})" for t, e in own))
-    else:
-        print("vLLM's own routing: not reached through grouped_topk/fused_topk on this "
-              "device (the CPU MoE routes in its own kernel)")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"model": a.model, "device": a.device, "experts": experts,
-                       "top_k": top_k, "router_calls": records, "vllm_routing": own}, fh,
-                      indent=1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -299,7 +299,7 @@ def parse_ints(text: str, what: str) -> list[int]:
     return sorted(set(vals))
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="deepseek-v2-lite")
@@ -322,7 +322,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--analytic", action="store_true",
                     help="the roofline model alone (no torch needed)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     tokens = parse_ints(args.tokens, "--tokens")
     batches = parse_ints(args.batches, "--batches")
     if args.ep < 1:
@@ -332,31 +336,53 @@ def main(argv=None) -> int:
     shape = SHAPES[args.shape]
     if shape.experts % args.ep:
         raise SystemExit(f"--ep {args.ep} does not divide the {shape.experts} experts")
-    nbytes = BYTES[args.dtype]
     peaks = dict(peak_tflops=args.peak_tflops, peak_tbs=args.peak_tbs)
-
-    layer = None
-    if not args.analytic:
-        import torch
-
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device here (--device cpu or --analytic)")
-        layer = Layer(shape, args.ep, args.device, getattr(torch, args.dtype),
-                      routing=args.routing)
-        name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (torch loop)"
-        print(f"device: {name}")
-        if args.device == "cuda":
-            print(f"fused MoE vs torch reference, 64 tokens: max rel. diff "
-                  f"{check_kernel(layer):.2e}")
-    xover = crossover_tokens(shape, args.ep, nbytes, routing=args.routing, **peaks)
+    layer = None if args.analytic else make_layer(args, shape)
+    xover = crossover_tokens(shape, args.ep, BYTES[args.dtype], routing=args.routing, **peaks)
     print(f"shape {args.shape}: {asdict(shape)}, ep {args.ep}, routing {args.routing}, "
           f"{args.dtype}; roofline "
           f"{args.peak_tflops:g} TFLOP/s, {args.peak_tbs:g} TB/s -> compute-bound from "
           f"T = {xover} tokens")
-    hdr = (f"{'T':>6} {'experts':>8} {'weights MB':>10} {'FLOP/B':>7} {'bound us':>9}"
-           + ("" if layer is None else f" {'layer us':>9} {'us/token':>9} {'TB/s':>6}"
-              f" {'TFLOP/s':>8} {'x bound':>8}"))
-    print(hdr)
+    rows = measure_rows(args, shape, layer, tokens, peaks)
+    result = {"shape": args.shape, **asdict(shape), "ep": args.ep, "routing": args.routing,
+              "dtype": args.dtype,
+              "device": args.device, "graphs": args.device == "cuda" and not args.no_graphs,
+              **peaks, "roofline_crossover_tokens": xover, "rows": rows}
+    if layer is not None:
+        meas = [(r["tokens"], r["layer_us"]) for r in rows]
+        knee = knee_tokens(meas)
+        result["knee_tokens_1_5x"] = knee
+        print(f"layer time reaches 1.5x its time at T={tokens[0]} at T = {knee}")
+        result["m_n"] = m_n_reading(dict(meas), batches)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+def make_layer(args, shape: MoEShape) -> Layer:
+    """The MoE layer timed on ``args.device`` (torch imported here: --analytic needs none)."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (--device cpu or --analytic)")
+    layer = Layer(shape, args.ep, args.device, getattr(torch, args.dtype), routing=args.routing)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (torch loop)"
+    print(f"device: {name}")
+    if args.device == "cuda":
+        print(f"fused MoE vs torch reference, 64 tokens: max rel. diff "
+              f"{check_kernel(layer):.2e}")
+    return layer
+
+
+def measure_rows(args, shape: MoEShape, layer: Layer | None, tokens: list[int],
+                 peaks: dict) -> list[dict]:  # fmt: skip
+    """Per token count: the roofline, and the layer's time where one is measured (a
+    table line printed for each)."""
+    nbytes = BYTES[args.dtype]
+    print(f"{'T':>6} {'experts':>8} {'weights MB':>10} {'FLOP/B':>7} {'bound us':>9}"
+          + ("" if layer is None else f" {'layer us':>9} {'us/token':>9} {'TB/s':>6}"
+             f" {'TFLOP/s':>8} {'x bound':>8}"))
     rows = []
     for t in tokens:
         active = None
@@ -380,33 +406,24 @@ def main(argv=None) -> int:
                      f"{row['tflops']:>8.1f} {row['x_bound']:>8.2f}")
         rows.append(row)
         print(line, flush=True)
-    result = {"shape": args.shape, **asdict(shape), "ep": args.ep, "routing": args.routing,
-              "dtype": args.dtype,
-              "device": args.device, "graphs": args.device == "cuda" and not args.no_graphs,
-              **peaks, "roofline_crossover_tokens": xover, "rows": rows}
-    if layer is not None:
-        meas = [(r["tokens"], r["layer_us"]) for r in rows]
-        knee = knee_tokens(meas)
-        result["knee_tokens_1_5x"] = knee
-        print(f"layer time reaches 1.5x its time at T={tokens[0]} at T = {knee}")
-        # M:N: M attention ranks of batch b aggregate on one FFN rank: T = M*b
-        per = dict(meas)
-        print("M:N reading (measured T only): FFN layer us for M ranks x batch b, "
-              "and the cost per token against 1 rank")
-        mn = []
-        for b in batches:
-            for m in (1, 2, 3, 4):
-                if m * b in per and b in per:
-                    ratio = (per[m * b] / (m * b)) / (per[b] / b)
-                    mn.append({"batch": b, "ranks": m, "tokens": m * b,
-                               "layer_us": per[m * b], "per_token_vs_1": ratio})
-                    print(f"  b={b:<4} M={m}: T={m * b:<5} {per[m * b]:8.1f} us, "
-                          f"per-token cost {ratio:.2f}x of 1 rank")
-        result["m_n"] = mn
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
-    return 0
+    return rows
+
+
+def m_n_reading(per: dict[int, float], batches: list[int]) -> list[dict]:
+    """M attention ranks of batch b aggregate on one FFN rank (T = M*b): the layer time at
+    T and the cost per token against one rank, where both T were measured."""
+    print("M:N reading (measured T only): FFN layer us for M ranks x batch b, "
+          "and the cost per token against 1 rank")
+    mn = []
+    for b in batches:
+        for m in (1, 2, 3, 4):
+            if m * b in per and b in per:
+                ratio = (per[m * b] / (m * b)) / (per[b] / b)
+                mn.append({"batch": b, "ranks": m, "tokens": m * b,
+                           "layer_us": per[m * b], "per_token_vs_1": ratio})
+                print(f"  b={b:<4} M={m}: T={m * b:<5} {per[m * b]:8.1f} us, "
+                      f"per-token cost {ratio:.2f}x of 1 rank")
+    return mn
 
 
 if __name__ == "__main__":
