@@ -5,7 +5,7 @@
     python afd_proc.py ffn       --model DIR --afd JSON
 
 ``plain`` and ``attention`` generate greedily and write JSON (token ids and
-top-k logprobs per prompt); ``ffn`` serves until SIGTERM/SIGINT or until its
+top-k logprobs per prompt), with ``--start-when FILE`` once FILE exists; ``ffn`` serves until SIGTERM/SIGINT or until its
 serve loop fails (exit code 3, the error on stderr).
 """
 
@@ -56,6 +56,21 @@ def engine_kwargs(args) -> dict:
     return kw
 
 
+START_WHEN_TIMEOUT_S = 600.0
+
+
+def wait_for_file(path: str, timeout: float) -> None:
+    """Says AFD-PROC-READY, then waits for ``path`` to exist (a test starts the generation
+    of several engines at once so); exits 4 after ``timeout`` s."""
+    print("AFD-PROC-READY", flush=True)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            print(f"afd_proc: {path} did not appear within {timeout:g} s", file=sys.stderr)
+            sys.exit(4)
+        time.sleep(0.01)
+
+
 def generate(args) -> int:
     from vllm import LLM, SamplingParams
 
@@ -68,6 +83,8 @@ def generate(args) -> int:
         SamplingParams(temperature=0.0, max_tokens=n, logprobs=args.logprobs, ignore_eos=True)
         for n in spec["max_tokens"]
     ]
+    if args.start_when:
+        wait_for_file(args.start_when, START_WHEN_TIMEOUT_S)
     t1 = time.perf_counter()
     print("AFD-PROC-GENERATING", flush=True)
     outs = llm.generate(spec["prompts"], params, use_tqdm=False)
@@ -137,6 +154,8 @@ def main() -> int:
     p.add_argument("--prompts")
     p.add_argument("--out")
     p.add_argument("--afd")
+    p.add_argument("--start-when", metavar="FILE",
+                   help="plain/attention: generate once FILE exists (after AFD-PROC-READY)")
     p.add_argument("--logprobs", type=int, default=5)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")

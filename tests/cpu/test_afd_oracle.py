@@ -82,17 +82,19 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
             num_attention=1, extra: dict | None = None, attn_model: Path | None = None,
             attn_args: tuple[str, ...] = (), ffn_group: int = 1,
             attn_extra: dict | None = None, ffn_ready_first: bool = False,
-            engine_args: tuple[str, ...] = ()):
+            engine_args: tuple[str, ...] = (), together: bool = False):
     """ffn_group > 1: one FFN server of that many tensor-parallel workers, FFN
     ranks 0..ffn_group-1 (an FFN group). attn_extra: --afd-config keys of the
     attention ranks only (timeouts: the handshake does not compare them).
     engine_args: afd_proc.py arguments of every engine (dtype, cache dtype).
     ffn_ready_first: start the attention ranks once the FFN server listens (their
-    connect timeout then counts from their first attempt, not from the FFN's start)."""
+    connect timeout then counts from their first attempt, not from the FFN's start).
+    together: the attention ranks generate at once, when every one of them is up."""
     extra = dict(extra or {})
     port = free_port(ffn_group)
     prompts = write_prompts(tmp_path)
     topo = {"num_attention_ranks": num_attention, "num_ffn_ranks": ffn_group, **extra}
+    go = tmp_path / "generate"  # together: made once every attention rank is up
     group_args = ["--tensor-parallel-size", str(ffn_group)] if ffn_group > 1 else []
 
     def start_ffn():
@@ -107,6 +109,7 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
                     ["--afd", afd_json("attention", port, rank=rank,
                                        **{**topo, **(attn_extra or {})}),
                      "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "4",
+                     *(["--start-when", str(go)] if together else []),
                      *engine_args, *attn_args])
         procs.append(p)
         return p, out
@@ -121,6 +124,10 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
             assert attn.wait_for_log("AFD: connecting to FFN rank", START_TIMEOUT) \
                 is not None, attn.tail()
         ffn = start_ffn()
+    if together:
+        for attn, _ in attns:
+            assert attn.wait_for_log("AFD-PROC-READY", START_TIMEOUT) is not None, attn.tail()
+        go.touch()
     return ffn, attns
 
 
@@ -224,14 +231,15 @@ def test_oracle_2a1f(models_dir, tmp_path, procs):
     """Two attention ranks feed one FFN rank, which batches ready ranks."""
     model = models_dir / "qwen3_moe"
     plain = plain_reference(model, tmp_path)
-    ffn, attns = run_afd(procs, tmp_path, model, num_attention=2)
+    ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, together=True)
     for attn, out in attns:
         assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
         assert_matches(plain, json.loads(out.read_text()))
     counts = ffn_stopped_counts(ffn)
     print(counts)  # steps served, and how many of them batched both attention ranks
-    # Both ranks run the same prompts at once: with the 5 ms batch window, some passes
-    # join them (21 of 85 and 31 of 75 steps here, 2 cores); none would mean no batching.
+    # Both ranks run the same prompts, started at once: with the 5 ms batch window, some
+    # passes join them (41 of 65, 21 of 85, 27 of 79 steps here, 2 cores); none would mean no
+    # batching. (Started as each engine came up, the ranks once did not overlap at all.)
     assert counts["batched"] > 0, counts
 
 
