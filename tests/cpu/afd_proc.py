@@ -5,8 +5,9 @@
     python afd_proc.py ffn       --model DIR --afd JSON
 
 ``plain`` and ``attention`` generate greedily and write JSON (token ids and
-top-k logprobs per prompt), with ``--start-when FILE`` once FILE exists; ``ffn`` serves until SIGTERM/SIGINT or until its
-serve loop fails (exit code 3, the error on stderr).
+top-k logprobs per prompt), with ``--start-when FILE`` once FILE exists; ``ffn``
+serves until SIGTERM/SIGINT or until its serve loop fails (exit code 3, the error
+on stderr).
 """
 
 from __future__ import annotations

@@ -178,8 +178,9 @@ def settled(streams: list[TokenStream]) -> list[int]:
 def streams_mid_decode(pair: Pair) -> list[TokenStream]:
     """PROMPTS streamed from the attention server while the FFN server is frozen; it runs
     SLICE_S at a time until every stream has a token, and is left frozen. A slice is a few
-    decode steps, and a SIGSTOP can take a second to stop every thread of a busy worker (it
-    computes on meanwhile): MAX_TOKENS leaves room for both (the caller asserts it did)."""
+    decode steps (the servers run niced, so this process wakes on time to end it), and the
+    slices until the last request is admitted a few more: MAX_TOKENS leaves ample room (the
+    caller asserts it did)."""
     pair.freeze(True)
     pair.streams = [TokenStream(pair.attn, p, MAX_TOKENS, STREAM_IDLE_S) for p in PROMPTS]
     deadline = time.monotonic() + 120
