@@ -216,6 +216,18 @@ def request_after_peer_loss(srv: su.Server, timeout: float) -> str:
     return f"HTTP {status}: {su.error_message(body)[:200]}"
 
 
+def afd_metrics(srv: su.Server) -> dict[str, float]:
+    """The AFD series of ``srv``'s /metrics: series as printed (name and labels) -> value."""
+    status, text = su.http_get(f"{srv.url}/metrics", timeout=10)
+    assert status == 200, f"{srv.name} /metrics: HTTP {status}: {text[:500]}"
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:afd_"):
+            series, value = line.rsplit(" ", 1)
+            out[series] = float(value)
+    return out
+
+
 def wait_healthy(servers: list[su.Server], timeout: float) -> dict[str, float]:
     """serve_util.wait_all_healthy; a server that exits or is not healthy in time fails the
     test with the first traceback of every server's log (the root cause sits far above

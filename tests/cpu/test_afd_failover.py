@@ -21,6 +21,7 @@ import pytest
 from harness import (
     AfdProc,
     TokenStream,
+    afd_metrics,
     free_afd_port,
     join_streams,
     module_log_dir,
@@ -67,11 +68,10 @@ def assert_complete(streams: list[TokenStream], want: list[list[int]]) -> None:
 
 
 def steps_served(srv: su.Server) -> float:
-    status, text = su.http_get(f"{srv.url}/metrics", timeout=10)
-    assert status == 200, text[:300]
-    found = re.findall(r"^vllm:afd_ffn_steps_served_total\{[^}]*\} (\S+)$", text, re.M)
+    found = [v for series, v in afd_metrics(srv).items()
+             if series.startswith("vllm:afd_ffn_steps_served_total{")]  # fmt: skip
     assert found, "no vllm:afd_ffn_steps_served_total on the FFN server"
-    return sum(float(v) for v in found)
+    return sum(found)
 
 
 def served_so_far(srv: su.Server, timeout: float) -> float:

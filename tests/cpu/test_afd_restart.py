@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 from harness import (
     TokenStream,
+    afd_metrics,
     first_token_after,
     join_streams,
     module_log_dir,
@@ -152,14 +153,9 @@ def pair(model_dir, log_dir, reference):
 
 
 def scrape(srv: su.Server) -> dict[str, float]:
-    status, text = su.http_get(f"{srv.url}/metrics", timeout=10)
-    assert status == 200, text[:500]
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:afd_") and 'role="attention"' in line:
-            name, value = line.rsplit(" ", 1)
-            out[name.split("{", 1)[0]] = float(value)
-    return out
+    """The attention role's AFD series of ``srv`` by name (one attention rank)."""
+    return {series.split("{", 1)[0]: v for series, v in afd_metrics(srv).items()
+            if 'role="attention"' in series}  # fmt: skip
 
 
 def settled(streams: list[TokenStream]) -> list[int]:

@@ -35,6 +35,7 @@ import pytest
 from harness import (
     AfdProc,
     TokenStream,
+    afd_metrics,
     join_streams,
     module_log_dir,
     request_after_peer_loss,
@@ -120,17 +121,6 @@ def pair(model_dir, log_dir, reference):
         assert not any(left.values()), f"processes left after stop: {left}"
 
 
-def scrape(server: su.Server) -> dict[str, float]:
-    status, text = su.http_get(f"{server.url}/metrics", timeout=10)
-    assert status == 200, text[:500]
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:afd_"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
 def afd_excerpt(server: su.Server) -> str:
     _, text = su.http_get(f"{server.url}/metrics", timeout=10)
     return "\n".join(ln for ln in text.splitlines()
@@ -165,7 +155,7 @@ def agreeing_scrapes(attn, ffn, timeout: float, what: str, ready=lambda a, f: Tr
     outlasts `timeout` and fails with both sides' figures."""
     deadline = time.monotonic() + timeout
     while True:
-        a, f = scrape(attn), scrape(ffn)
+        a, f = afd_metrics(attn), afd_metrics(ffn)
         if all(a.get(x, -1.0) == f.get(y, -2.0) for x, y in AGREEING) and ready(a, f):
             return a, f
         assert time.monotonic() < deadline, (
