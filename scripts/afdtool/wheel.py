@@ -377,6 +377,7 @@ def repack(
     changes = tree_changes(tree, base_ref)
     blobs = read_blobs(tree, [c.blob for c in changes if c.status != "D"])
     result = BuildResult(path=out_path, version=version)
+    new_dist_info = f"vllm-{version}.dist-info"
 
     with zipfile.ZipFile(upstream) as src:
         infos = [i for i in src.infolist() if not i.filename.endswith("/")]
@@ -401,10 +402,11 @@ def repack(
             Member(REVISION_MODULE, 0o644, data=revision_module(rev, base_version, variant))
         )
         result.added.append(REVISION_MODULE)
-        members += _dist_info_members(src, old_dist_info, version, variant)
+        members += _dist_info_members(src, names, old_dist_info, new_dist_info, version,
+                                      variant)  # fmt: skip
 
         members = order_members(members)
-        record_name = f"vllm-{version}.dist-info/RECORD"
+        record_name = f"{new_dist_info}/RECORD"
         record = record_bytes(members, record_name, src)
         members.append(Member(record_name, 0o644, data=record))
     write_zip(out_path, members, src_path=upstream)
@@ -439,13 +441,13 @@ def _upstream_member(src: zipfile.ZipFile, info: zipfile.ZipInfo, change, blobs:
     return [Member(name, change.mode, data=data)]
 
 
-def _dist_info_members(src: zipfile.ZipFile, old_dist_info: str, version: str,
-                       variant: str) -> list[Member]:  # fmt: skip
-    """The upstream dist-info's files under the custom version's name (METADATA and WHEEL
-    rewritten), but RECORD: the caller writes it last."""
+def _dist_info_members(src: zipfile.ZipFile, names: list[str], old_dist_info: str,
+                       new_dist_info: str, version: str, variant: str) -> list[Member]:  # fmt: skip
+    """The files of the upstream dist-info (of ``names``, the wheel's files) under
+    ``new_dist_info`` (METADATA and WHEEL rewritten), but RECORD: the caller writes it last."""
     members = []
-    for name in src.namelist():
-        if name.endswith("/") or not name.startswith(old_dist_info + "/"):
+    for name in names:
+        if not name.startswith(old_dist_info + "/"):
             continue
         rel = name[len(old_dist_info) + 1 :]
         if rel == "RECORD":
@@ -455,7 +457,7 @@ def _dist_info_members(src: zipfile.ZipFile, old_dist_info: str, version: str,
             data = rewrite_metadata(data.decode(), version, variant).encode()
         elif rel == "WHEEL":
             data = rewrite_wheel_file(data.decode()).encode()
-        members.append(Member(f"vllm-{version}.dist-info/{rel}", 0o644, data=data))
+        members.append(Member(f"{new_dist_info}/{rel}", 0o644, data=data))
     return members
 
 
