@@ -479,7 +479,9 @@ class Calibration:
     peak by weight- and KV-streaming kernels; ``step_overhead_us``: per decode step
     (scheduling, launches outside the layers); ``token_overhead_us``: per sequence and
     step (sampling, logits, the host's per-request work); ``layer_overhead_us``: per layer
-    and pass of each role; ``handover_us``: one hand-over between two processes on one host
+    and pass of each role; ``overlap_p``: how a kernel's memory and compute times combine,
+    ``(m^p + c^p)^(1/p)`` (infinite: the roofline's max; a fused MoE kernel near the
+    crossover takes longer than either alone); ``handover_us``: one hand-over between two processes on one host
     (its latency, without the bytes); ``shared_mem_eff``: the bandwidth fraction several
     processes reach together on one GPU."""
 
@@ -490,6 +492,7 @@ class Calibration:
     handover_us: float = 0.0
     shared_mem_eff: float | None = None
     token_overhead_us: float = 0.0
+    overlap_p: float = math.inf
     sources: tuple[str, ...] = ()
 
     def overhead_s(self, layers: int, seqs: float) -> float:
@@ -506,22 +509,35 @@ class Calibration:
 
 # The bounds: the card's specification, nothing else.
 ROOFLINE = Calibration(sources=("spec sheet",))
-# Measured by this project's benchmarks on one H200 (benchmarks/plan_figures.json, the
-# calibration `python -m vllm.afd.plan check` derives from it): DeepSeek-V2-Lite's fused
-# MoE layer streamed its experts at 71% of the 4.8 TB/s (moe_crossover.py) and reached
-# 44% of the bf16 peak; one cuda_ipc hand-over took 4.83 us (handover.py); plain steps at
-# batch 16 and 256 left 568 us plus 2.96 us a sequence over their bytes (decode.py); two
-# replicas at once streamed at 78%.
-H200_MEASURED = Calibration(mem_eff=0.711, flop_eff=0.443, step_overhead_us=568.0,
-                            token_overhead_us=2.96, handover_us=4.83, shared_mem_eff=0.776,
+# Measured by this project's benchmarks on one H200 on 2026-12-06 (the calibration
+# "h200-2026-12-06" that `python -m vllm.afd.plan check benchmarks/plan_figures.json`
+# derives): DeepSeek-V2-Lite's fused MoE layer streamed its experts at 70% of the 4.8 TB/s
+# and computed at 48% of the bf16 peak, the two combining as a 2-norm (moe_crossover.py);
+# one cuda_ipc hand-over took 4.84 us (handover.py); one plain engine at batch 32 and 512
+# left 288 us plus 3.9 us a sequence over its bytes, two replicas at once streamed at 77%
+# (decode.py).
+H200_MEASURED = Calibration(mem_eff=0.704, flop_eff=0.481, overlap_p=2.0,
+                            step_overhead_us=288.5, token_overhead_us=3.89, handover_us=4.84,
+                            shared_mem_eff=0.771,
                             sources=("H200 measurements, benchmarks/plan_figures.json",))
 
 
 def seconds(work: Work, card: Card, cal: Calibration, weight_bytes: float = 2.0) -> float:
-    """The time of ``work`` on one GPU: the larger of its bytes over the bandwidth and its
-    FLOPs over the matrix peak (weight GEMMs at the weights' precision, attention in
-    bf16)."""
-    return max(memory_seconds(work, card, cal), compute_seconds(work, card, cal, weight_bytes))
+    """The time of ``work`` on one GPU: its bytes over the bandwidth and its FLOPs over the
+    matrix peak (weight GEMMs at the weights' precision, attention in bf16), combined as
+    the larger of the two (the roofline) or, calibrated, their ``overlap_p``-norm."""
+    return combine(memory_seconds(work, card, cal),
+                   compute_seconds(work, card, cal, weight_bytes), cal.overlap_p)
+
+
+def combine(mem: float, comp: float, p: float = math.inf) -> float:
+    """``(mem^p + comp^p)^(1/p)``: the larger of the two for an infinite ``p``."""
+    if math.isinf(p):
+        return max(mem, comp)
+    top = max(mem, comp)
+    if top <= 0:
+        return 0.0
+    return top * ((mem / top) ** p + (comp / top) ** p) ** (1.0 / p)
 
 
 def memory_seconds(work: Work, card: Card, cal: Calibration) -> float:
@@ -535,21 +551,58 @@ def compute_seconds(work: Work, card: Card, cal: Calibration,
             + work.attn_flops / (card.bf16_tflops * 1e12 * cal.flop_eff))
 
 
+OVERLAP_PS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, math.inf)
+
+
 def fit_moe_layer(m: Model, card: Card, points: Iterable[tuple[float, float]],
-                  routing: str = "uniform", ep: int = 1) -> tuple[float, float]:
-    """(mem_eff, flop_eff) from one MoE layer's measured times ``(tokens, us)``: the best
-    bandwidth and the best FLOP rate any point reached, as fractions of the card's. The
-    model ``max(bytes / (bw mem_eff), flops / (peak flop_eff))`` then touches the most
-    efficient points and lies below the others."""
-    mem, flop = 0.0, 0.0
+                  routing: str = "uniform", ep: int = 1) -> tuple[float, float, float]:
+    """(mem_eff, flop_eff, overlap_p) from one MoE layer's measured times ``(tokens,
+    us)``. For each ``p`` of ``OVERLAP_PS``, ``t^p = (bytes / bw')^p + (flops / peak')^p``
+    is linear in ``bw'^-p`` and ``peak'^-p``: a least-squares fit of the relative error
+    gives the two rates; the ``p`` of the smallest error wins (p infinite: the best
+    bandwidth and FLOP rate any point reached, the roofline's max touching the most
+    efficient points). The rates come back as fractions of the card's."""
+    rate = (card.fp8_tflops if m.weight_bytes <= 1 else card.bf16_tflops) * 1e12
+    bw = card.hbm_tbs * 1e12
+    pts = []
     for tokens, us in points:
         w = moe_layer_work(m, tokens, ep, routing)
-        mem = max(mem, w.bytes / (us * 1e-6) / (card.hbm_tbs * 1e12))
-        rate = card.fp8_tflops if m.weight_bytes <= 1 else card.bf16_tflops
-        flop = max(flop, w.gemm_flops / (us * 1e-6) / (rate * 1e12))
-    if not mem:
+        pts.append((w.bytes, w.gemm_flops, us * 1e-6))
+    if not pts:
         raise ValueError("no MoE layer time to calibrate on")
-    return min(mem, 1.0), min(flop, 1.0)
+    best = None
+    for p in reversed(OVERLAP_PS):  # the roofline's max first: it stays unless beaten
+        fit = _fit_rates(pts, p)
+        if fit is None:
+            continue
+        mem_rate, flop_rate = fit
+        err = sum((combine(b / mem_rate, f / flop_rate, p) / t - 1) ** 2 for b, f, t in pts)
+        if best is None or err < best[0] - 1e-9:
+            best = (err, mem_rate, flop_rate, p)
+    _, mem_rate, flop_rate, p = best
+    return min(mem_rate / bw, 1.0), min(flop_rate / rate, 1.0), p
+
+
+def _fit_rates(pts: list[tuple[float, float, float]], p: float) -> tuple[float, float] | None:
+    """(bytes/s, FLOP/s) of ``t = ((B/bw)^p + (F/peak)^p)^(1/p)`` over ``pts`` (B, F, t),
+    None where the fit has no positive solution."""
+    if math.isinf(p):
+        return max(b / t for b, _, t in pts), max(f / t for _, f, t in pts)
+    # Weighted least squares of t^p = x B^p + y F^p, weights 1/t^p (relative error).
+    rows = [((b ** p) / t ** p, (f ** p) / t ** p) for b, f, t in pts]
+    s11 = sum(u * u for u, _ in rows)
+    s12 = sum(u * v for u, v in rows)
+    s22 = sum(v * v for _, v in rows)
+    r1 = sum(u for u, _ in rows)
+    r2 = sum(v for _, v in rows)
+    det = s11 * s22 - s12 * s12
+    if det <= 0:
+        return None
+    x = (r1 * s22 - r2 * s12) / det
+    y = (s11 * r2 - s12 * r1) / det
+    if x <= 0 or y <= 0:
+        return None
+    return x ** (-1.0 / p), y ** (-1.0 / p)
 
 
 def fit_step_overhead(m: Model, card: Card, cal: Calibration,
@@ -581,9 +634,12 @@ def fit_shared_mem_eff(m: Model, card: Card, cal: Calibration, engines: int, bat
     bytes over the measured step less the fixed overhead."""
     w = engines * engine_work(m, batch, context, routing)
     t = tpot_s - cal.overhead_s(m.layers, batch)
-    if t <= 0:
-        raise ValueError("the replicas' step is shorter than the fixed overhead")
-    return min(1.0, w.bytes / t / (card.hbm_tbs * 1e12))
+    comp = compute_seconds(w, card, cal, m.weight_bytes)
+    if t <= comp:
+        raise ValueError("the replicas' step is shorter than its fixed overhead and FLOPs")
+    p = cal.overlap_p
+    mem = t if math.isinf(p) else (t ** p - comp ** p) ** (1.0 / p)
+    return min(1.0, w.bytes / mem / (card.hbm_tbs * 1e12))
 
 
 def calibration_from_json(data: dict, card: Card, cal: Calibration,
@@ -603,9 +659,10 @@ def calibration_from_json(data: dict, card: Card, cal: Calibration,
                       kv_heads=1, head_dim=1,
                       weight_bytes={"float32": 4.0}.get(data.get("dtype"), 2.0),
                       act_bytes={"float32": 4.0}.get(data.get("dtype"), 2.0))
-        mem, flop = fit_moe_layer(shape, card, pts, data.get("routing", "uniform"),
-                                  int(data.get("ep", 1)))
-        return replace(cal, mem_eff=mem, flop_eff=flop, sources=(*cal.sources, source))
+        mem, flop, p = fit_moe_layer(shape, card, pts, data.get("routing", "uniform"),
+                                     int(data.get("ep", 1)))
+        return replace(cal, mem_eff=mem, flop_eff=flop, overlap_p=p,
+                       sources=(*cal.sources, source))
     if "sharing" in data and isinstance(data.get("results"), dict):
         layers = int(data.get("args", {}).get("layers", 27))
         per = [r["step_us"] / (2 * layers)
@@ -950,11 +1007,14 @@ def check_calibrations(data: dict) -> dict[str, tuple[Card, Calibration]]:
     cals: dict[str, tuple[Card, Calibration]] = {}
     for key, c in data["calibration"].items():
         card = CARDS[c["card"]]
+        if "like" in c:  # another card's fractions of its spec, carried over unchanged
+            cals[key] = (card, replace(cals[c["like"]][1], sources=(f"{key} as {c['like']}",)))
+            continue
         layer_model = load_model(c["moe_model"])
-        mem, flop = fit_moe_layer(layer_model, card, c["moe_layer_us"],
-                                  c.get("routing", "uniform"))
-        cal = replace(ROOFLINE, mem_eff=mem, flop_eff=flop, handover_us=c["handover_us"],
-                      sources=(key,))
+        mem, flop, p = fit_moe_layer(layer_model, card, c["moe_layer_us"],
+                                     c.get("routing", "uniform"))
+        cal = replace(ROOFLINE, mem_eff=mem, flop_eff=flop, overlap_p=p,
+                      handover_us=c["handover_us"], sources=(key,))
         steps = c["plain_steps"]
         pm = load_model(steps[0]["model"], layers=steps[0].get("layers"))
         fixed, per_token = fit_step_overhead(
@@ -977,7 +1037,8 @@ def check_figures(data: dict) -> list[dict]:
     error. The calibration of each card comes from the file's component measurements (MoE
     layer times, hand-over latency) and a few whole steps marked as calibration points
     (one plain engine at two batches: the fixed and per-sequence overhead; replicas at
-    once: the shared bandwidth); an AFD figure with several ranks may give its FFN counters
+    once: the shared bandwidth); a card without measurements of its own may take another's
+    (``"like": KEY``: the same fractions of its own spec); an AFD figure with several ranks may give its FFN counters
     (``ffn_passes``: passes, joined passes)."""
     cals = check_calibrations(data)
     rows = []
@@ -1143,14 +1204,15 @@ def main_check(argv: list[str]) -> int:
     data = json.loads(Path(a.figures).read_text())
     for key, (card, cal) in check_calibrations(data).items():
         print(f"{key}: {card.name}, mem_eff {cal.mem_eff:.3f}, flop_eff {cal.flop_eff:.3f}, "
+              f"overlap p {cal.overlap_p:g}, "
               f"shared_mem_eff {cal.concurrent_mem_eff:.3f}, step {cal.step_overhead_us:.0f} "
               f"us + {cal.token_overhead_us:.2f} us a sequence, hand-over "
               f"{cal.handover_us:g} us")
     rows = check_figures(data)
-    print(f"{'card':5s} {'figure':46s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
+    print(f"{'calibration':15s} {'figure':46s} {'measured':>9s} {'predicted':>9s} {'error':>7s}")
     for r in rows:
         mark = "  (calibration point)" if r["calibration_point"] else ""
-        print(f"{r['calibration']:5s} {r['what'][:46]:46s} {r['tpot_ms']:8.2f}  "
+        print(f"{r['calibration']:15s} {r['what'][:46]:46s} {r['tpot_ms']:8.2f}  "
               f"{r['predicted_tpot_ms']:8.2f}  {r['error']:+6.1%}{mark}")
     checked = [abs(r["error"]) for r in rows if not r["calibration_point"]]
     if checked:
