@@ -289,6 +289,52 @@ def test_ping_pong_cycle():
                                       + P.head_work(m, 96).bytes / 1e12)
 
 
+def test_tensor_parallel_attention_splits_weights_and_the_kv_heads():
+    mixtral = P.load_model("mixtral-8x22b")  # 8 KV heads
+    w1 = P.attention_gpu_work(mixtral, 64, 1024, 1)
+    w8 = P.attention_gpu_work(mixtral, 64, 1024, 8)
+    weights = mixtral.layers * mixtral.attention_params * 2
+    kv = 64 * 1024 * mixtral.kv_bytes_per_token()
+    assert w1.bytes - w8.bytes == pytest.approx(weights * 7 / 8 + kv * 7 / 8)
+    assert w8.attn_flops == pytest.approx(w1.attn_flops / 8)
+    dsv3 = P.load_model("deepseek-v3")  # MLA: every GPU reads the whole latent
+    kv3 = 64 * 1024 * dsv3.kv_bytes_per_token()
+    d1, d8 = P.attention_gpu_work(dsv3, 64, 1024, 1), P.attention_gpu_work(dsv3, 64, 1024, 8)
+    assert d1.bytes - d8.bytes == pytest.approx(dsv3.layers * dsv3.attention_params * 7 / 8)
+    assert d8.bytes > kv3
+
+
+def test_tp_deployment_step_and_throughput():
+    m = P.load_model("mixtral-8x22b")
+    cl = P.Cluster(P.CARDS["a100"])
+    cal = P.H200_MEASURED
+    d = P.tp_deployment(m, cl, cal, 16, 8, 256, 1024)
+    ar = P.allreduce_seconds(cl, cal, 8, 256, m.hidden, 2)
+    assert ar == pytest.approx(5e-6 + 2 * 7 / 8 * 256 * 6144 * 2 / 300e9)
+    assert d.link_s == pytest.approx(2 * ar)
+    head = P.seconds(P.head_work(m, 256) * (1 / 8), cl.card, cal)
+    assert d.tpot_s == pytest.approx(m.layers * (d.attention_s + d.ffn_s + d.link_s) + head
+                                     + cal.overhead_s(0, 256))
+    assert d.tok_s_per_gpu == pytest.approx(2 * 256 / d.tpot_s / 16)  # two replicas of TP8
+    assert d.ratio == "TP8"
+    assert d.attention_mem_gb == pytest.approx(
+        ((m.attention_weight_bytes() + m.ffn_weight_bytes()) / 8
+         + 256 * 1024 * m.kv_bytes_per_token() / 8) / 1e9)
+
+
+def test_afd_with_tensor_parallel_attention_groups():
+    m = P.load_model("mixtral-8x22b")
+    cl = P.Cluster(P.CARDS["a100"])
+    d = P.afd_deployment(m, cl, P.ROOFLINE, 8, 8, 128, 2, 1024, attention_tp=4)
+    assert d.ratio == "8:8 TP4"
+    assert d.tok_s == pytest.approx(2 * 128 / d.tpot_s)  # two groups of 128 sequences
+    # the FFN sees both groups' micro-batch: 2 x 64 tokens
+    tf = P.seconds(P.ffn_work(m, 128, 8) * (1 / m.layers), cl.card, P.ROOFLINE)
+    assert d.ffn_s == pytest.approx(tf)
+    with pytest.raises(ValueError, match="groups of 3"):
+        P.afd_deployment(m, cl, P.ROOFLINE, 8, 8, 128, 2, 1024, attention_tp=3)
+
+
 def test_hand_over_time_and_links():
     m = P.load_model("deepseek-v2-lite")
     card = P.CARDS["h200"]

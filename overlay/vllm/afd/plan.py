@@ -812,9 +812,10 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Deployment:
-    """One deployment's predicted decode step. ``batch``: sequences per attention GPU
-    (colocated: per GPU). Per layer and micro-batch: ``attention_s``, ``ffn_s``,
-    ``link_s`` (one direction)."""
+    """One deployment's predicted decode step. ``batch``: sequences per group of ``tp``
+    attention GPUs (AFD), per GPU (colocated DP+EP), per replica of ``tp`` GPUs (tensor
+    parallel). Per layer and micro-batch: ``attention_s``, ``ffn_s``, ``link_s`` (one
+    hand-over; tensor parallel: the layer's two all-reduces)."""
 
     kind: str
     gpus: int
@@ -828,10 +829,11 @@ class Deployment:
     link_s: float
     attention_mem_gb: float
     ffn_mem_gb: float
+    tp: int = 1
 
     @property
     def tok_s(self) -> float:
-        return self.attention_gpus * self.batch / self.tpot_s
+        return self.attention_gpus // self.tp * self.batch / self.tpot_s
 
     @property
     def tok_s_per_gpu(self) -> float:
@@ -839,7 +841,10 @@ class Deployment:
 
     @property
     def ratio(self) -> str:
-        return f"{self.attention_gpus}:{self.ffn_gpus}" if self.kind == "afd" else "-"
+        if self.kind == "afd":
+            return f"{self.attention_gpus}:{self.ffn_gpus}" + (f" TP{self.tp}" if self.tp > 1
+                                                              else "")
+        return f"TP{self.tp}" if self.kind == "tp" else "-"
 
     @property
     def limiter(self) -> str:
@@ -855,30 +860,67 @@ def _fanout(gpus: int, top_k: int) -> float:
     return gpus * (1.0 - (1.0 - 1.0 / gpus) ** top_k)
 
 
+def attention_gpu_work(m: Model, seqs: float, context: float, tp: int = 1) -> Work:
+    """One GPU's share of every layer's attention for ``seqs`` sequences in a
+    tensor-parallel group of ``tp``: 1/tp of the weights and FLOPs, the KV cache split with
+    the KV heads (grouped-query: up to ``kv_heads`` ways; MLA's one latent: whole on every
+    GPU)."""
+    att = attention_layers_work(m, seqs, context)
+    if tp == 1 or seqs <= 0:
+        return att
+    weights = m.layers * m.attention_params * m.weight_bytes
+    kv = seqs * context * m.kv_bytes_per_token()
+    share = 1.0 if m.mla else 1.0 / min(tp, m.kv_heads)
+    return Work(weights / tp + kv * share + (att.bytes - weights - kv), att.gemm_flops / tp,
+                att.attn_flops / tp)
+
+
+def allreduce_seconds(cl: Cluster, cal: Calibration, tp: int, tokens: float,
+                      hidden: int, nbytes: float) -> float:
+    """One ring all-reduce of ``tokens`` hidden states in a group of ``tp`` GPUs of a host:
+    its latency and 2 (tp - 1) / tp of the data over NVLink."""
+    if tp <= 1:
+        return 0.0
+    moved = 2 * (tp - 1) / tp * tokens * hidden * nbytes
+    return (max(cl.card.nvlink_latency_us, cal.handover_us) * 1e-6
+            + moved / (cl.card.nvlink_gbs * 1e9))
+
+
 def afd_deployment(m: Model, cl: Cluster, cal: Calibration, attention_gpus: int,
                    ffn_gpus: int, batch: int, micro_batches: int, context: float,
-                   routing: str = "uniform") -> Deployment:
-    """AFD: ``attention_gpus`` attention GPUs of ``batch`` sequences each, ``ffn_gpus`` FFN
-    GPUs (expert parallel), ``micro_batches`` per step (ping-pong for 2 or more)."""
-    a, f, mb = attention_gpus, ffn_gpus, micro_batches
+                   routing: str = "uniform", attention_tp: int = 1) -> Deployment:
+    """AFD: ``attention_gpus`` attention GPUs, in groups of ``attention_tp`` (tensor
+    parallel, one all-reduce a layer; 1: data parallel) of ``batch`` sequences each,
+    ``ffn_gpus`` FFN GPUs (expert parallel), ``micro_batches`` per step (ping-pong for 2 or
+    more)."""
+    a, f, mb, t = attention_gpus, ffn_gpus, micro_batches, attention_tp
+    if a % t:
+        raise ValueError(f"{a} attention GPUs do not split into groups of {t}")
+    groups = a // t
     card, L = cl.card, m.layers
     s = batch / mb
     ov = cal.layer_overhead_us * 1e-6
-    ta = seconds(attention_layers_work(m, s, context) * (1 / L), card, cal, m.weight_bytes) + ov
-    tf = seconds(ffn_work(m, a * s, f, routing) * (1 / L), card, cal, m.weight_bytes) + ov
+    ta = (seconds(attention_gpu_work(m, s, context, t) * (1 / L), card, cal, m.weight_bytes)
+          + ov + allreduce_seconds(cl, cal, t, s, m.hidden, m.act_bytes))
+    tf = seconds(ffn_work(m, groups * s, f, routing) * (1 / L), card, cal, m.weight_bytes) + ov
     gbs, lat = cl.afd_link(a + f)
     fan = _fanout(f, m.top_k) if m.experts else 1.0
     db = cl.dispatch_bytes or m.act_bytes
-    sent = s * m.hidden * db * fan  # one attention GPU's micro-batch, one layer
-    got = a * s * fan / f * m.hidden * db  # one FFN GPU's
-    t_bw = max(sent, got) / (gbs * 1e9)
+    # Dispatch: each attention GPU sends its 1/t of the group's micro-batch, each FFN GPU
+    # receives its share of every group's. Combine: each FFN GPU returns its share to
+    # every GPU of each group, each attention GPU receives the whole micro-batch's output.
+    tok = s * fan * m.hidden
+    dispatch = max(tok * db / t, groups * tok / f * db) / (gbs * 1e9)
+    combine_ = max(groups * tok / f * t * m.act_bytes, tok * m.act_bytes) / (gbs * 1e9)
+    t_bw = max(dispatch, combine_)  # one direction of a link, per micro-batch
     tc = max(lat * 1e-6, cal.handover_us * 1e-6) + t_bw
     cycle = max(mb * ta, mb * tf, mb * t_bw, ta + tf + 2 * tc)
-    head = mb * seconds(head_work(m, s), card, cal, m.weight_bytes)
+    head = mb * seconds(head_work(m, s) * (1 / t), card, cal, m.weight_bytes)
     tpot = L * cycle + head + cal.overhead_s(0, batch)
-    att_mem = m.attention_weight_bytes() + batch * context * m.kv_bytes_per_token()
+    share = 1.0 if m.mla else 1.0 / min(t, m.kv_heads)
+    att_mem = m.attention_weight_bytes() / t + batch * context * m.kv_bytes_per_token() * share
     return Deployment("afd", a + f, a, f, batch, mb, tpot, ta, tf, tc, att_mem / 1e9,
-                      m.ffn_weight_bytes(f) / 1e9)
+                      m.ffn_weight_bytes(f) / 1e9, t)
 
 
 def colocated_deployment(m: Model, cl: Cluster, cal: Calibration, gpus: int, batch: int,
@@ -910,6 +952,27 @@ def colocated_deployment(m: Model, cl: Cluster, cal: Calibration, gpus: int, bat
     return Deployment("colocated", n, n, 0, batch, mb, tpot, ta, tf, tc, mem / 1e9, 0.0)
 
 
+def tp_deployment(m: Model, cl: Cluster, cal: Calibration, gpus: int, tp: int, batch: int,
+                  context: float, routing: str = "uniform") -> Deployment:
+    """``gpus / tp`` replicas of tensor parallelism ``tp`` inside a host (vLLM's and
+    TensorRT-LLM's usual deployment): every GPU holds 1/tp of every weight (each expert's
+    matrices split), ``batch`` sequences a replica, two all-reduces of the hidden states a
+    layer over NVLink. The KV cache splits with the KV heads (grouped-query: up to
+    ``kv_heads`` ways; MLA's one latent: every GPU reads it whole)."""
+    t, card, L = tp, cl.card, m.layers
+    kv_share = 1.0 if m.mla else 1.0 / min(t, m.kv_heads)
+    ov = cal.layer_overhead_us * 1e-6
+    ta = seconds(attention_gpu_work(m, batch, context, t) * (1 / L), card, cal,
+                 m.weight_bytes) + ov
+    tf = seconds(ffn_work(m, batch, 1, routing) * (1 / (L * t)), card, cal, m.weight_bytes) + ov
+    tc = 2 * allreduce_seconds(cl, cal, t, batch, m.hidden, m.act_bytes)
+    head = seconds(head_work(m, batch) * (1 / t), card, cal, m.weight_bytes)
+    tpot = L * (ta + tf + tc) + head + cal.overhead_s(0, batch)
+    mem = ((m.attention_weight_bytes() + m.ffn_weight_bytes(1)) / t
+           + batch * context * m.kv_bytes_per_token() * kv_share)
+    return Deployment("tp", gpus, gpus, 0, batch, 1, tpot, ta, tf, tc, mem / 1e9, 0.0, t)
+
+
 def batch_grid(limit: int = 16384) -> list[int]:
     """Batch sizes tried: every one to 16, then about 5% apart."""
     out, b = list(range(1, 17)), 16.0
@@ -925,6 +988,13 @@ class Plan:
     afd: Deployment | None
     colocated: Deployment | None
     afd_by_ratio: list[Deployment] = field(default_factory=list)
+    tp: Deployment | None = None
+
+    @property
+    def gain_over_tp(self) -> float | None:
+        if self.afd is None or self.tp is None:
+            return None
+        return self.afd.tok_s_per_gpu / self.tp.tok_s_per_gpu
 
     @property
     def gain(self) -> float | None:
@@ -946,10 +1016,12 @@ def _best_batch(make, tpot_s: float, grid: Sequence[int], mem_ok) -> Deployment 
 
 def plan(m: Model, cl: Cluster, cal: Calibration, gpus: int, tpot_s: float, context: float,
          routing: str = "uniform", micro_batches: Sequence[int] = (1, 2, 3, 4),
-         colocated_micro_batches: Sequence[int] = (1, 2)) -> Plan:
-    """The best AFD deployment (over the attention:FFN split, the micro-batches and the
-    batch) and the best colocated one on ``gpus`` GPUs, each under the TPOT target and
-    fitting memory; None where nothing fits."""
+         colocated_micro_batches: Sequence[int] = (1, 2),
+         attention_tps: Sequence[int] = (1, 2, 4, 8)) -> Plan:
+    """The best AFD deployment (over the attention:FFN split, the attention's tensor
+    parallelism, the micro-batches and the batch), the best colocated DP+EP one and the best tensor-parallel one (replicas of TP
+    1, 2, 4 or 8) on ``gpus`` GPUs, each under the TPOT target and fitting memory; None
+    where nothing fits."""
     usable = cl.usable_bytes()
     grid = batch_grid()
     by_ratio: list[Deployment] = []
@@ -960,14 +1032,17 @@ def plan(m: Model, cl: Cluster, cal: Calibration, gpus: int, tpot_s: float, cont
         if m.ffn_weight_bytes(f) > usable:
             continue
         best_a = None
-        for mb in micro_batches:
-            d = _best_batch(
-                lambda b, a=a, f=f, mb=mb: afd_deployment(m, cl, cal, a, f, b, mb, context,
-                                                          routing),
-                tpot_s, [b for b in grid if b >= mb],
-                lambda d: d.attention_mem_gb * 1e9 <= usable)
-            if d and (best_a is None or d.tok_s_per_gpu > best_a.tok_s_per_gpu):
-                best_a = d
+        for t in attention_tps:
+            if a % t or t > cl.gpus_per_host:
+                continue
+            for mb in micro_batches:
+                d = _best_batch(
+                    lambda b, a=a, f=f, mb=mb, t=t: afd_deployment(
+                        m, cl, cal, a, f, b, mb, context, routing, t),
+                    tpot_s, [b for b in grid if b >= mb],
+                    lambda d: d.attention_mem_gb * 1e9 <= usable)
+                if d and (best_a is None or d.tok_s_per_gpu > best_a.tok_s_per_gpu):
+                    best_a = d
         if best_a:
             by_ratio.append(best_a)
     best_afd = max(by_ratio, key=lambda d: d.tok_s_per_gpu, default=None)
@@ -979,8 +1054,16 @@ def plan(m: Model, cl: Cluster, cal: Calibration, gpus: int, tpot_s: float, cont
                         lambda d: d.attention_mem_gb * 1e9 <= usable)
         if d and (best_col is None or d.tok_s_per_gpu > best_col.tok_s_per_gpu):
             best_col = d
+    best_tp = None
+    for t in (1, 2, 4, 8):
+        if t > cl.gpus_per_host or gpus % t:
+            continue
+        d = _best_batch(lambda b, t=t: tp_deployment(m, cl, cal, gpus, t, b, context, routing),
+                        tpot_s, grid, lambda d: d.attention_mem_gb * 1e9 <= usable)
+        if d and (best_tp is None or d.tok_s_per_gpu > best_tp.tok_s_per_gpu):
+            best_tp = d
     by_ratio.sort(key=lambda d: -d.tok_s_per_gpu)
-    return Plan(gpus, best_afd, best_col, by_ratio)
+    return Plan(gpus, best_afd, best_col, by_ratio, best_tp)
 
 
 def parse_context(text: str) -> tuple[float, list[tuple[int, float]]]:
@@ -1132,7 +1215,7 @@ def calibration_from_args(a, card: Card) -> Calibration:
 def format_deployment(d: Deployment | None) -> str:
     if d is None:
         return "none fits"
-    return (f"{d.ratio:>5s} b={d.batch:<5d} m={d.micro_batches} TPOT {d.tpot_s * 1e3:6.1f} ms "
+    return (f"{d.ratio:>5s} b={d.batch:<5d} m={d.micro_batches} TPOT {d.tpot_s * 1e3:5.1f} ms "
             f"{d.tok_s_per_gpu:9,.0f} tok/s/GPU ({d.limiter}-bound)")
 
 
@@ -1167,22 +1250,25 @@ def main(argv: list[str] | None = None) -> int:
           f"({'; '.join(cal.sources)})")
     print(f"TPOT <= {a.tpot_ms:g} ms, mean context {ctx:,.0f} tokens, routing {a.routing}")
     plans = []
-    print(f"\n{'GPUs':>4}  {'AFD (A:F, batch/attention GPU, micro-batches)':58s}  "
-          f"{'colocated DP+EP':50s}  AFD/colocated")
+    print(f"\n{'GPUs':>4}  {'AFD (A:F, batch/attention GPU, micro-batches)':64s}  "
+          f"AFD/colocated")
     for n in gpus:
         pl = plan(m, cl, cal, n, a.tpot_ms / 1e3, ctx, a.routing, mbs)
         plans.append(pl)
         gain = f"{pl.gain:.2f}x" if pl.gain else "-"
-        print(f"{n:>4}  {format_deployment(pl.afd):58s}  {format_deployment(pl.colocated):50s}"
-              f"  {gain}")
+        tp_gain = f"{pl.gain_over_tp:.2f}x" if pl.gain_over_tp else "-"
+        print(f"{n:>4}  AFD        {format_deployment(pl.afd):64s}")
         for d in pl.afd_by_ratio[1:a.top]:
-            print(f"{'':>4}    {format_deployment(d)}")
+            print(f"{'':>4}             {format_deployment(d)}")
+        print(f"{'':>4}  DP+EP      {format_deployment(pl.colocated):64s}  AFD {gain}")
+        print(f"{'':>4}  TP         {format_deployment(pl.tp):64s}  AFD {tp_gain}")
     if a.json:
         Path(a.json).write_text(json.dumps({
             "model": asdict(m), "card": asdict(card), "calibration": asdict(cal),
             "tpot_ms": a.tpot_ms, "context_mean": ctx, "context_mix": mix,
-            "plans": [{"gpus": pl.gpus, "gain": pl.gain,
+            "plans": [{"gpus": pl.gpus, "gain": pl.gain, "gain_over_tp": pl.gain_over_tp,
                        "afd": _dep_json(pl.afd), "colocated": _dep_json(pl.colocated),
+                       "tp": _dep_json(pl.tp),
                        "afd_by_ratio": [_dep_json(d) for d in pl.afd_by_ratio]}
                       for pl in plans]}, indent=1))
     return 0
