@@ -113,30 +113,43 @@ class Agent:
             self.agent.remove_remote_agent(name)
         self._notes.pop(name, None)
 
-    def write(self, src: torch.Tensor, peer: str, addr: int, note: str):
+    def write(self, src: torch.Tensor, peer: str, addr: int, note: str, who: str):
         """Post a WRITE of ``src`` (registered host memory) to ``addr`` of ``peer`` with
         notification ``note``; the handle is checked with ``done``."""
-        with self.lock:
+        with self.lock, self.peer_errors(who):
             local = self.agent.get_xfer_descs(src)
             remote = self.agent.get_xfer_descs([(addr, src.numel() * src.element_size(), 0)],
                                                "DRAM")
             handle = self.agent.initialize_xfer("WRITE", local, remote, peer, note.encode())
             state = self.agent.transfer(handle)
         if state == "ERR":
-            raise AFDPeerError(f"AFD nixl: posting a write to agent {peer} failed")
+            raise AFDPeerError(f"lost AFD peer {who}: posting a nixl write failed")
         return handle
 
-    def done(self, handle) -> bool:
-        with self.lock:
+    def done(self, handle, who: str) -> bool:
+        with self.lock, self.peer_errors(who):
             state = self.agent.check_xfer_state(handle)
             if state == "DONE":
                 self.agent.release_xfer_handle(handle)
         if state == "ERR":
-            raise AFDPeerError("AFD nixl: a write failed (the peer's agent is gone?)")
+            raise AFDPeerError(f"lost AFD peer {who}: a nixl write failed")
         return state == "DONE"
 
-    def poll(self) -> None:
-        with self.lock:
+    @staticmethod
+    @contextlib.contextmanager
+    def peer_errors(who: str):
+        """NIXL's own errors of a transfer (a disconnected remote agent, a UCX failure)
+        are the loss of the peer: an AFDPeerError naming it, which the channel's rejoin
+        and failover handle like a closed connection."""
+        try:
+            yield
+        except AFDPeerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the binding's error classes vary by build
+            raise AFDPeerError(f"lost AFD peer {who}: nixl {type(e).__name__}: {e}") from e
+
+    def poll(self, who: str) -> None:
+        with self.lock, self.peer_errors(who):
             new = self.agent.get_new_notifs()
         for peer, notes in new.items():
             key = peer.decode() if isinstance(peer, bytes) else peer
@@ -156,7 +169,7 @@ class Agent:
         while True:
             if self.take(peer, note):
                 return
-            self.poll()
+            self.poll(who)
             if self.take(peer, note):
                 return
             now = time.monotonic()
@@ -167,7 +180,7 @@ class Agent:
 
     def wait_done(self, handle, deadline: float, who: str) -> None:
         start = time.monotonic()
-        while not self.done(handle):
+        while not self.done(handle, who):
             now = time.monotonic()
             if now >= deadline:
                 raise AFDPeerError(f"AFD nixl: a write to {who} did not complete in time")
@@ -232,7 +245,7 @@ def _send(agent: Agent, s: Session, x: torch.Tensor, timeout: float) -> None:
         out.copy_(host.view(-1).view(torch.uint8))
     payload = out if out.numel() else s.box.outbox[index * s.box.slot:index * s.box.slot + 1]
     handle = agent.write(
-        payload, s.peer_agent, s.peer_inbox + index * s.box.slot, f"{s.sid}:{seq}"
+        payload, s.peer_agent, s.peer_inbox + index * s.box.slot, f"{s.sid}:{seq}", s.who
     )
     s.sent += 1
     agent.wait_done(handle, time.monotonic() + timeout, s.who)
