@@ -18,7 +18,7 @@ from tcp_lib import HIDDEN, HOST, MAX_TOKENS, Bg, fingerprint, wait_until
 
 import serve_util as su
 from serve_util import free_port
-from vllm.afd import metrics, rejoin
+from vllm.afd import failure, metrics, rejoin
 from vllm.afd.attention import AttentionClient
 from vllm.afd.protocol import AFDHandshakeError, AFDPeerError
 from vllm.config.afd import AFDConfig, AFDConfigError
@@ -278,6 +278,65 @@ def test_idle_loss_rejoins_in_the_background(ffns, connected):
     second = ffns(port, layers=1)
     wait_until(att.is_up, 8.0, "the background rejoin")
     wait_until(lambda: 0 in second.conn.peers, 5.0, "the FFN rank accepted the rank")
+
+
+def test_an_idle_loss_past_the_window_ends_the_engine_with_the_named_error(
+    ffns, connected, tmp_path, monkeypatch
+):
+    """Lost between steps and still away when rejoin_timeout_s has passed: the background
+    rejoin gives up at the window's end with the error a held step gets, records it for the
+    clients' error (vllm.afd.failure) and calls on_failure, which the attention role sets to
+    end the process. Before: it gave up silently - no record, the engine left waiting for
+    good, /health 503 "held until it rejoins", and an FFN rank restarted later never joined
+    (it ended at its own start-up timeout_s, again and again). An FFN rank started after the
+    window is not joined now either: the next step fails at once with the same error."""
+    mdir = tmp_path / "afd-metrics"
+    mdir.mkdir(mode=0o700)
+    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(mdir))
+    port, first, att = connected(1, 1.0)
+    ended: list[tuple[float, str]] = []
+    done = threading.Event()
+    att.on_failure = lambda msg: (ended.append((time.monotonic(), msg)), done.set())
+    client = client_for(att, 1)
+    first.close()
+    _lose(att)
+    lost = att.lost_at()
+    assert done.wait(6.0), "the rejoin window passed and nothing ended (no bounded outcome)"
+    took = ended[0][0] - lost
+    print(f"window 1 s: the engine is ended {took:.2f} s after the loss")
+    assert 0.95 <= took < 2.5, took
+    msg = ended[0][1]
+    assert msg.startswith(f"lost AFD peer FFN rank 0 at {HOST}:{port}"), msg
+    assert "; it did not come back within rejoin_timeout_s=1 (could not reach AFD FFN" in msg
+    assert failure.failure_of_this_server() == failure.clean_message(msg)
+    second = ffns(port, layers=1)  # back after the window
+    t0 = time.monotonic()
+    with pytest.raises(AFDPeerError, match="did not come back within rejoin_timeout_s=1"):
+        client.exchange(torch.randn(2, HIDDEN), 0)
+    assert time.monotonic() - t0 < 1.0
+    time.sleep(1.0)  # two heartbeats: no rejoin is tried any more
+    assert 0 not in second.conn.peers and not att.is_up()
+    assert len(ended) == 1
+
+
+def test_an_idle_rejoin_refused_by_another_deployment_ends_the_engine(
+    ffns, connected, tmp_path, monkeypatch
+):
+    """What comes back while idle is of another deployment (another checkpoint): refused at
+    the re-handshake and the engine is ended at once with that error, as in a step; not
+    retried every heartbeat until the window passes."""
+    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(tmp_path))
+    tmp_path.chmod(0o700)
+    port, first, att = connected(1, 30.0)
+    ended: list[str] = []
+    done = threading.Event()
+    att.on_failure = lambda msg: (ended.append(msg), done.set())
+    first.close()
+    _lose(att)
+    ffns(port, layers=1, checkpoint="ffffffffffffffffffffffff (other)")
+    assert done.wait(8.0), "a refused rejoin did not end the engine"
+    assert "fingerprint mismatch on 'checkpoint'" in ended[0]
+    assert ended[0].startswith(f"lost AFD peer FFN rank 0 at {HOST}:{port}")
 
 
 # ------------------------------------------------------------ the step re-run (client)

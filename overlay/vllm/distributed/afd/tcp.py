@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from vllm.afd import metrics
+from vllm.afd import failure, metrics
 from vllm.afd.protocol import (
     AUTH_NONE,
     AUTH_REQUIRED,
@@ -198,6 +198,13 @@ class TCPAttentionConnector(AttentionConnector):
         self._rejoin_lock = threading.Lock()
         self._lost_at: float | None = None
         self._next_home_try = 0.0  # failover: when to try the home FFN rank again
+        # The rejoin window (rejoin_timeout_s) passed while idle: why (the reconnect's
+        # error); every later reconnect fails at once with it.
+        self._gave_up: str | None = None
+        # Called (heartbeat thread) with the named error once the rejoin window passed
+        # while idle; the attention role sets it to end the process (vllm.afd.failure
+        # exit_now), as a lost FFN rank ends the engine when no step is there to fail.
+        self.on_failure: Callable[[str], None] = lambda msg: None
 
     # -- connection ------------------------------------------------------
     def connect(self) -> None:
@@ -255,6 +262,8 @@ class TCPAttentionConnector(AttentionConnector):
         with self._rejoin_lock:
             if self.is_up():
                 return
+            if self._gave_up is not None:  # the window passed while idle (the engine ends)
+                raise AFDPeerError(self._gave_up)
             if self._lost_at is None:
                 self._lost_at = time.monotonic()
             self._drop_connection()
@@ -388,15 +397,30 @@ class TCPAttentionConnector(AttentionConnector):
         attention rank at once; a step that comes meanwhile waits for this."""
         lost = self._lost_at
         window = self.ctx.config.rejoin_window_s
-        if not self.can_rejoin or window <= 0 or lost is None:
-            return
-        if time.monotonic() >= lost + window:
+        if not self.can_rejoin or window <= 0 or lost is None or self._gave_up is not None:
             return
         try:
             self.reconnect(lost + window)
         except (AFDPeerError, AFDHandshakeError) as e:
-            logger.error("AFD: attention rank %d could not rejoin %s: %s",
-                         self.ctx.rank, self.peer, e)  # fmt: skip
+            if not self._closed.is_set():  # not the engine stopping
+                self._give_up(e, window)
+
+    def _give_up(self, e: Exception, window: float) -> None:
+        """The lost FFN rank did not come back within rejoin_timeout_s while no step ran
+        (or what came back is of another deployment): nothing else would end the engine,
+        which would wait (and /health answer "held until it rejoins") for good. Named as
+        a held step names it (vllm.afd.rejoin), recorded for the clients' error, then
+        on_failure."""
+        self._gave_up = str(e)
+        if isinstance(e, AFDHandshakeError):
+            msg = f"{self._dead or 'lost AFD ' + self.peer}; what came back is refused: {e}"
+        else:
+            msg = (f"{self._dead or 'lost AFD ' + self.peer}; it did not come back within "
+                   f"rejoin_timeout_s={window:g} ({e})")  # fmt: skip
+        logger.error("AFD: attention rank %d gives up on %s, ending the engine: %s",
+                     self.ctx.rank, self.peer, msg)  # fmt: skip
+        failure.record("attention", self.ctx.rank, msg)
+        self.on_failure(msg)
 
     def _log_auth(self) -> None:
         if self.secret:
