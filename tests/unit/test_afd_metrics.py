@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -261,6 +262,32 @@ def test_failure_record_reaches_this_servers_engine_dead_error(mdir):
     msg = str(EngineDeadError())
     assert msg.startswith("EngineCore encountered an issue.")
     assert msg.endswith(" AFD: lost AFD peer FFN rank 0 at 10.0.0.2:29600")
+
+
+def test_failure_record_reaches_an_api_server_that_is_pid_1(mdir):
+    """In a container the API server is often pid 1 (the entrypoint). Run here in a pid
+    namespace of its own (``unshare --pid --fork --mount-proc``, as root), where the
+    process is pid 1 and a child of it records a failure: the lookup finds it. Before, the
+    recorded ancestry stopped short of pid 1, so engine_dead_detail() was '' and clients no
+    longer learnt which peer was lost."""
+    assert shutil.which("unshare"), "unshare (util-linux) is needed for this test"
+    record = ("import overlay_import; overlay_import.install(); from vllm.afd import failure; "
+              "failure.record('attention', 0, 'lost AFD peer FFN rank 0 at 10.0.0.2:29600')")
+    api_server = (
+        "import os, subprocess, sys\n"
+        "import overlay_import; overlay_import.install()\n"
+        "from vllm.afd import failure\n"
+        "print('PID', os.getpid())\n"
+        f"subprocess.run([sys.executable, '-c', {record!r}], check=True)\n"
+        "print('DETAIL', repr(failure.engine_dead_detail()))\n"
+    )
+    out = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", api_server],
+        env=overlay_env(), capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert out.returncode == 0, f"the pid-namespace run failed:\n{out.stdout}\n{out.stderr}"
+    assert "PID 1\n" in out.stdout, out.stdout  # it really ran as pid 1
+    assert "DETAIL ' AFD: lost AFD peer FFN rank 0 at 10.0.0.2:29600'" in out.stdout, out.stdout
 
 
 def test_failure_records_of_other_servers_and_old_ones_are_ignored(mdir):
