@@ -530,3 +530,15 @@ def test_hello_with_a_huge_integer_is_dropped_as_not_this_protocol(net, monkeypa
     wait_until(lambda: logged.having("hello is not JSON"), what="drop logged")
     assert errors == []
     serve_one_step(ffn, att, 1)
+
+
+# ------------------------------------------------- timeout_s at the bounds of its key
+@pytest.mark.parametrize("timeout", [0.5, 86400.0])
+def test_timeouts_at_the_config_bounds_connect_and_serve(net, timeout):
+    """timeout_s is bounded at config time (vllm.config.afd.TIMEOUT_S_RANGE): at either
+    bound both sides connect and serve. 1e10 overflowed settimeout at connect."""
+    ffn, att = connected_pair(net, timeout=timeout)
+    serve_one_step(ffn, att, 1)
+    time.sleep(0.3)  # heartbeats every min(1 s, timeout_s / 4) meanwhile
+    serve_one_step(ffn, att, 2)
+    assert att.is_up() and 0 in ffn.peers
