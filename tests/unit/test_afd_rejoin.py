@@ -468,6 +468,51 @@ def test_a_failed_over_rank_names_its_replica_while_it_tries_home(ffns, attentio
     wait_until(lambda: len(other.steps) == 2, 5.0, "both steps served by FFN rank 1")
 
 
+def test_a_home_ffn_rank_of_another_checkpoint_is_reported_and_backed_off(
+    ffns, attention, monkeypatch
+):
+    """Failed over to FFN rank 1, the rank's home FFN rank comes back serving another
+    checkpoint: each try home is refused. It is counted (vllm:afd_home_refusals_total),
+    logged once at WARNING with the reason, and tried after a doubling wait. Before: the
+    refusal was swallowed - no line on this side, no metric, a try every second (and an
+    ERROR every second on the home FFN rank) while the guest replica carried double load."""
+    lines: list[tuple[str, str]] = []
+
+    def recorder(level):
+        return lambda msg, *a, **k: lines.append((level, msg % a if a else msg))
+
+    for level in ("warning", "error"):
+        monkeypatch.setattr(tcp.logger, level, recorder(level))
+    port = su.free_ports(2, consecutive=True)[0]
+    topo = dict(m=2, n=2, timeout=30.0, extra={"ffn_failover": True})
+    first = ffns(port, layers=1, rank=0, **topo)
+    ffns(port, layers=1, rank=1, **topo)
+    att = attention(port, rejoin_timeout_s=20, **topo)
+    Bg(att.connect).get()
+    client = client_for(att, 1)
+    x = torch.randn(2, HIDDEN)
+    first.close()
+    assert torch.equal(client.exchange(x, 0), 2 * x)  # failed over to FFN rank 1
+    assert att.ffn_rank == 1
+    before = metrics.STATS.counters.get("home_refusals", 0)
+    ffns(port, layers=1, rank=0, checkpoint="ffffffffffffffffffffffff (other)", **topo)
+    time.sleep(6.5)
+    refusals = metrics.STATS.counters.get("home_refusals", 0) - before
+    refused_at_home = [m for lvl, m in lines if lvl == "error" and "refused attention hello" in m]
+    told = [m for lvl, m in lines if lvl == "warning" and "stays on FFN rank 1" in m]
+    print(f"6.5 s: {len(refused_at_home)} tries refused by the home FFN rank, {refusals} "
+          f"counted; warnings: {told}")
+    assert len(told) == 1, told
+    assert "its own FFN rank 0 at" in told[0] and "fingerprint mismatch on 'checkpoint'" in told[0]
+    # tries after 1 s, then waits of 2 s and 4 s: 2 or 3 in 6.5 s (one a second before)
+    assert 1 <= refusals <= 3, refusals
+    assert len(refused_at_home) == refusals
+    assert att.ffn_rank == 1 and torch.equal(client.exchange(x, 0), 2 * x)  # still served
+    fams = {f.name: f for f in metrics.collect_families([metrics.STATS.snapshot()
+                                                         | {"role": "attention"}])}
+    assert fams["vllm:afd_home_refusals"].samples[0].value >= refusals
+
+
 def test_without_failover_a_rank_waits_for_its_own_ffn_rank(attention):
     att = attention(free_port(), rejoin_timeout_s=5, m=2, n=2)
     assert att._replicas() == [0]

@@ -33,6 +33,9 @@ attention role
     ``vllm:afd_handshake_failures_total``, ``vllm:afd_rejoins_total`` (a lost FFN
     rank reached again and the step re-run), ``vllm:afd_outage_seconds_total``
     (seconds without the FFN rank, over the outages that ended in a rejoin),
+    ``vllm:afd_home_refusals_total`` (served by another FFN replica, ffn_failover: times
+    its own FFN rank refused it at the re-handshake - another checkpoint, revision,
+    topology or secret came back there),
     ``vllm:afd_peer_outage_seconds`` (gauge: seconds since the FFN rank was lost,
     0 while it is connected).
 FFN role
@@ -99,9 +102,11 @@ COUNTERS = {
     "rejoins": "Times this attention rank reached its lost FFN rank again and re-ran the step.",
     "outage_seconds": "Seconds this attention rank was without its FFN rank, over the outages "
     "that ended in a rejoin.",
+    "home_refusals": "Times this attention rank, served by another FFN replica (ffn_failover), "
+    "was refused by its own FFN rank at the re-handshake (another deployment there).",
 }
 ATTENTION_COUNTERS = ("steps", "layer_exchanges", "bytes_sent", "bytes_received",
-                      "handshake_failures", "rejoins", "outage_seconds")
+                      "handshake_failures", "rejoins", "outage_seconds", "home_refusals")
 FFN_COUNTERS = ("ffn_steps_served", "ffn_batched_steps", "ffn_idle_seconds", "bytes_sent",
                 "bytes_received", "handshake_failures", "ffn_graph_replays",
                 "ffn_graph_captures", "ffn_graph_capture_seconds", "ffn_ubatched_steps")

@@ -160,6 +160,9 @@ REJOIN_BACKOFF_S = (0.1, 1.0)
 # round, and how often a rank served by another replica tries its own again.
 FAILOVER_TRY_S = 0.5
 REBALANCE_S = 1.0
+# A home FFN rank that refuses this rank at the re-handshake (another checkpoint,
+# revision, topology or secret) is tried again after twice the last wait, up to this.
+REBALANCE_MAX_S = 60.0
 # The hello field of an attention rank that dials a replica other than its home
 # FFN rank (failover): that replica takes it as a guest when it has ffn_failover.
 HELLO_FAILOVER = "failover"
@@ -198,6 +201,8 @@ class TCPAttentionConnector(AttentionConnector):
         self._rejoin_lock = threading.Lock()
         self._lost_at: float | None = None
         self._next_home_try = 0.0  # failover: when to try the home FFN rank again
+        self._home_wait = REBALANCE_S  # and how long after a try (longer once refused)
+        self._home_refusal: str | None = None  # the home rank's refusal, logged once
         # The rejoin window (rejoin_timeout_s) passed while idle: why (the reconnect's
         # error); every later reconnect fails at once with it.
         self._gave_up: str | None = None
@@ -346,13 +351,16 @@ class TCPAttentionConnector(AttentionConnector):
         now = time.monotonic()
         if self.ffn_rank == self.home or now < self._next_home_try:
             return
-        self._next_home_try = now + REBALANCE_S
+        self._next_home_try = now + self._home_wait
         with self._rejoin_lock:
             guest_peer = self.peer
             home = self._dialer(self.home)
             try:
                 sock = home._establish(now + FAILOVER_TRY_S, (1.0, 1.0), rejoining=True)
-            except (AFDPeerError, AFDHandshakeError):
+            except AFDHandshakeError as e:
+                self._home_refused(home.peer, e)
+                return
+            except AFDPeerError:
                 return
             with self._lock:
                 moved = not (self._in_step or self._dead)
@@ -374,8 +382,24 @@ class TCPAttentionConnector(AttentionConnector):
             reader.shutdown(wait=False, cancel_futures=True)
         if rsock is not None:
             rsock.close()
+        self._home_wait, self._home_refusal = REBALANCE_S, None
         logger.warning("AFD: attention rank %d moved back from %s to its own %s",
                        self.ctx.rank, guest_peer, self.peer)  # fmt: skip
+
+    def _home_refused(self, home: str, e: AFDHandshakeError) -> None:
+        """The home FFN rank answers but refuses this rank (another deployment came back
+        there): counted (vllm:afd_home_refusals_total), logged once per reason, and
+        tried again after a doubling wait (that rank logs each refused hello)."""
+        metrics.STATS.inc("home_refusals")
+        self._home_wait = min(REBALANCE_MAX_S, 2 * self._home_wait)
+        self._next_home_try = time.monotonic() + self._home_wait
+        if str(e) != self._home_refusal:
+            self._home_refusal = str(e)
+            logger.warning(
+                "AFD: attention rank %d stays on %s: its own %s refused it (%s); trying it "
+                "again in %.0f s, the wait doubling up to %.0f s",
+                self.ctx.rank, self.peer, home, e, self._home_wait, REBALANCE_MAX_S,
+            )  # fmt: skip
 
     def _drop_connection(self) -> None:
         """Close the lost connection (and the background reader of DBO steps)."""
