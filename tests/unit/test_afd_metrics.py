@@ -208,7 +208,7 @@ def test_only_own_live_descendants_are_read(mdir):
         child.wait()
 
 
-def test_a_snapshot_of_a_reused_pid_is_not_read(mdir):
+def test_a_snapshot_of_a_reused_pid_is_not_read(mdir, monkeypatch):
     """A killed process leaves its snapshot; a new process (here: this one, a descendant of
     the reader) that gets the same pid must not inherit it - an attention rank's outage in
     such a file made a restarted server's /health answer 503 while it served."""
@@ -218,11 +218,61 @@ def test_a_snapshot_of_a_reused_pid_is_not_read(mdir):
     stale = {"pid": me, "start": start - 1, "role": "attention", "rank": 0,
              "time": time.time(), "counters": {"steps": 1}, "outage_seconds": 5.4}
     (mdir / f"attention-0-{me}.json").write_text(json.dumps(stale))
+    monkeypatch.setattr(metrics, "HEALTH_CACHE_S", 0.0)  # each call reads the files
     assert metrics.read_snapshots() == []
     assert metrics.health_problem() is None
     (mdir / f"attention-0-{me}.json").write_text(json.dumps({**stale, "start": start}))
     assert [s["pid"] for s in metrics.read_snapshots()] == [me]
     assert "attention rank 0 (5.4 s)" in metrics.health_problem()
+
+
+def test_stale_files_are_pruned_on_write_and_health_reads_are_cached(mdir, monkeypatch):
+    """10,000 stale files (snapshots of gone processes, which a SIGKILL leaves; failure
+    records over an hour old, never removed before; a snapshot whose pid now names another
+    process; temp files of writes that never finished): the next write prunes them, and
+    /health's health_problem() reads the directory at most once per HEALTH_CACHE_S. Before:
+    nothing was removed, and every /health call read every file on the server's event loop
+    (151 ms with 10,000 files there), AFD server or not."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    old = time.time() - 2 * 3600  # records are read an hour back (failure.MAX_AGE_S)
+    for i in range(5000):  # pids above pid_max: never a live process
+        write_snapshot(mdir, f"attention-{i}-{pid_max + 1 + i}.json", pid=pid_max + 1 + i)
+    for i in range(4990):
+        write_record(mdir, f"ffn-{i}-{pid_max + 1 + i}.error", "lost AFD peer")
+        os.utime(mdir / f"ffn-{i}-{pid_max + 1 + i}.error", (old, old))
+    for i in range(9):
+        (mdir / f".ffn-0-1.json.{i:016x}.tmp").write_text("{")
+        os.utime(mdir / f".ffn-0-1.json.{i:016x}.tmp", (old, old))
+    parent = os.getppid()  # live, but not the process that wrote this one
+    write_snapshot(mdir, f"ffn-0-{parent}.json", pid=parent,
+                   start=metrics.process_start(parent) - 1)  # fmt: skip
+    assert len(os.listdir(mdir)) == 10_000
+    write_record(mdir, "fresh.error", "lost AFD peer FFN rank 0")  # kept: recent
+    reads = []
+    real_read = metrics.read_private_files
+    monkeypatch.setattr(metrics, "read_private_files",
+                        lambda suffix: reads.append(suffix) or real_read(suffix))  # fmt: skip
+    t0 = time.perf_counter()
+    assert metrics.health_problem() is None
+    first = time.perf_counter() - t0
+    for _ in range(50):
+        assert metrics.health_problem() is None
+    assert len(reads) == 1, f"{len(reads)} reads of the directory for 51 /health calls"
+    # this process's first write
+    monkeypatch.setattr(metrics, "_next_prune", 0.0, raising=False)
+    st = metrics.AFDStats()
+    st.start("attention", 0, dict)
+    try:
+        left = sorted(os.listdir(mdir))
+        assert left == [f"attention-0-{os.getpid()}.json", "fresh.error"], (len(left), left[:3])
+        monkeypatch.setattr(metrics, "HEALTH_CACHE_S", 0.0)
+        t0 = time.perf_counter()
+        assert metrics.health_problem() is None
+        pruned = time.perf_counter() - t0
+    finally:
+        st.close()
+    print(f"health_problem(): {first * 1e3:.1f} ms with 10,000 stale files, "
+          f"{pruned * 1e3:.2f} ms after the prune")
 
 
 def test_newest_snapshot_per_role_and_rank(mdir):
