@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -184,6 +185,36 @@ def test_writer_thread_refreshes_and_close_removes_the_file(mdir):
     finally:
         st.close()
     assert not path.exists()
+
+
+def test_a_write_in_flight_does_not_bring_back_the_file_close_removed(mdir):
+    """The writer thread takes the snapshot's name, builds the snapshot, writes: a close()
+    in between removed the file, and the write then put it back - a snapshot left behind
+    by a process that is gone (write() also read the name twice: a close() between the two
+    reads made it write a file named None)."""
+    st = metrics.AFDStats()
+    st.start("attention", 0, dict)
+    path = mdir / f"attention-0-{os.getpid()}.json"
+    assert path.exists()
+    building, release = threading.Event(), threading.Event()
+    real = st.snapshot
+
+    def slow_snapshot():
+        building.set()
+        release.wait(10)
+        return real()
+
+    st.snapshot = slow_snapshot
+    writer = threading.Thread(target=st.write, daemon=True)
+    writer.start()
+    assert building.wait(10)
+    st.close()
+    assert not path.exists()
+    release.set()
+    writer.join(10)
+    assert not writer.is_alive()
+    time.sleep(2 * metrics.WRITE_INTERVAL_S)  # the writer thread's own last round too
+    assert sorted(os.listdir(mdir)) == [], "a write in flight brought the snapshot back"
 
 
 def test_only_own_live_descendants_are_read(mdir):

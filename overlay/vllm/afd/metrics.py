@@ -391,6 +391,9 @@ class AFDStats:
         self._writer: threading.Thread | None = None
         self._stop = threading.Event()
         self._name: str | None = None
+        # A write and close() one after the other: a write in flight when close() removes
+        # the file would bring it back (a snapshot left by a process that is gone).
+        self._file_lock = threading.Lock()
 
     # -- recording ---------------------------------------------------------
     def inc(self, name: str, n: float = 1) -> None:
@@ -460,9 +463,14 @@ class AFDStats:
         atexit.register(self.close)
 
     def write(self) -> bool:
-        if self._name is None:
+        name = self._name
+        if name is None:
             return False
-        return write_private_file(self._name, json.dumps(self.snapshot()).encode())
+        data = json.dumps(self.snapshot()).encode()
+        with self._file_lock:
+            if self._name != name:  # closed meanwhile
+                return False
+            return write_private_file(name, data)
 
     def _loop(self) -> None:
         while not self._stop.wait(WRITE_INTERVAL_S):
@@ -470,9 +478,10 @@ class AFDStats:
 
     def close(self) -> None:
         self._stop.set()
-        if self._name is not None:
-            remove_private_file(self._name)
-            self._name = None
+        with self._file_lock:
+            name, self._name = self._name, None
+            if name is not None:
+                remove_private_file(name)
 
 
 STATS = AFDStats()
