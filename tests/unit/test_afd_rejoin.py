@@ -232,6 +232,88 @@ def test_reconnect_gives_up_at_the_deadline(connected):
     assert not att.is_up()
 
 
+class RacyClosed(threading.Event):
+    """The connector's closed flag; ``hook`` runs once at the next is_set() (after the
+    flag was read): a close() that lands right after reconnect checked it."""
+
+    hook = None
+
+    def is_set(self) -> bool:
+        was = super().is_set()
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return was
+
+
+def test_close_during_a_reconnect_leaves_no_live_session(ffns, attention):
+    """close() (the engine stops) while a reconnect has its new connection: the connector
+    ends closed with no session, and the FFN rank frees the slot at once (goodbye or EOF).
+    Before: reconnect checked the closed flag, then installed the connection under the
+    lock; a close() between the two found no socket to close, and the closed connector
+    kept a live session (no heartbeat any more: the FFN rank kept the rank's slot for
+    timeout_s, refusing its restarted server as 'already connected')."""
+    port = free_port()
+    first = ffns(port, layers=1, timeout=30.0)
+    att = attention(port, rejoin_timeout_s=0, timeout=30.0)
+    att._closed = racy = RacyClosed()
+    Bg(att.connect).get()
+    first.close()
+    _lose(att)
+    second = ffns(port, layers=1, timeout=30.0)
+    closing: list[Bg] = []
+
+    def close_now():
+        closing.append(Bg(att.close))
+        closing[0].join(1.0)  # done at once unless it waits for the connector's lock
+
+    racy.hook = close_now
+    with contextlib.suppress(AFDPeerError):
+        att.reconnect(time.monotonic() + 10)
+    closing[0].get(10)
+    assert att.sock is None, "a closed connector holds a live session"
+    wait_until(lambda: 0 not in second.conn.peers, 5.0, "the FFN rank freed the rank's slot")
+
+
+def test_close_during_a_move_back_home_leaves_no_live_session(ffns, attention, monkeypatch):
+    """The same race on the way back home (failover): close() lands while the heartbeat
+    thread has its new connection to the home FFN rank. Before: the move installed it in
+    the closed connector."""
+    port = su.free_ports(2, consecutive=True)[0]
+    topo = dict(m=2, n=2, timeout=30.0, extra={"ffn_failover": True})
+    first = ffns(port, layers=1, rank=0, **topo)
+    ffns(port, layers=1, rank=1, **topo)
+    att = attention(port, rejoin_timeout_s=20, **topo)
+    Bg(att.connect).get()
+    client = client_for(att, 1)
+    first.close()
+    x = torch.randn(2, HIDDEN)
+    assert torch.equal(client.exchange(x, 0), 2 * x)  # failed over to FFN rank 1
+    real_dialer = att._dialer
+    closing: list[Bg] = []
+
+    def dialer(ffn_rank):
+        home = real_dialer(ffn_rank)
+        real_establish = home._establish
+
+        def establish(*args, **kwargs):
+            sock = real_establish(*args, **kwargs)
+            closing.append(Bg(att.close))
+            closing[0].join(1.0)
+            return sock
+
+        home._establish = establish
+        return home
+
+    monkeypatch.setattr(att, "_dialer", dialer)
+    home = ffns(port, layers=1, rank=0, **topo)
+    wait_until(lambda: closing, 8.0, "a try home")
+    closing[0].get(10)
+    time.sleep(0.5)  # the heartbeat thread's move, if any, is done
+    assert att.sock is None, "a closed connector holds a live session"
+    wait_until(lambda: 0 not in home.conn.peers, 5.0, "the home FFN rank freed the slot")
+
+
 def test_reconnect_to_another_deployment_fails_at_once(ffns, connected):
     """A restarted FFN rank of another checkpoint: the re-handshake refuses it at once,
     not at the deadline."""

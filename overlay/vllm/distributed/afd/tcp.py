@@ -276,10 +276,12 @@ class TCPAttentionConnector(AttentionConnector):
                 sock = self._establish_any(deadline)
             else:
                 sock = self._establish(deadline, REJOIN_BACKOFF_S, rejoining=True)
-            if self._closed.is_set():  # closed meanwhile (the engine stops)
-                sock.close()
-                raise AFDPeerError(f"AFD attention rank closed while rejoining {self.peer}")
             with self._lock:
+                # close() sets _closed, then takes the lock: checked here, under it, so
+                # that a close() meanwhile never leaves this closed connector a session
+                if self._closed.is_set():  # closed meanwhile (the engine stops)
+                    sock.close()
+                    raise AFDPeerError(f"AFD attention rank closed while rejoining {self.peer}")
                 self.sock = sock
                 self._step = None
                 self._in_step = False
@@ -363,14 +365,14 @@ class TCPAttentionConnector(AttentionConnector):
             except AFDPeerError:
                 return
             with self._lock:
-                moved = not (self._in_step or self._dead)
+                moved = not (self._in_step or self._dead or self._closed.is_set())
                 if moved:
                     self._aim(self.home)
                     old, self.sock = self.sock, sock
                     # DBO's background reader reads a duplicate of the old socket
                     reader, self._reader = self._reader, None
                     rsock, self._rsock = self._rsock, None
-            if not moved:  # a step began meanwhile: try again later
+            if not moved:  # a step began meanwhile (try again later), or closed
                 with contextlib.suppress(AFDPeerError):
                     send_all(sock, Control(MSG_GOODBYE).pack(), 2.0, home.peer)
                 sock.close()
