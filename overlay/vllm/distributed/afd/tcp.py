@@ -54,6 +54,7 @@ from vllm.afd.protocol import (
     AFDPeerError,
     AFDProtocolError,
     Control,
+    LogThrottle,
     auth_proof,
     fingerprint_mismatch,
     is_nonce,
@@ -122,30 +123,6 @@ def _hello_payload(ctx: ConnectorContext, role: str) -> dict:
     payload["role"] = role
     payload["rank"] = ctx.rank
     return payload
-
-
-class _Throttle:
-    """At most one log line per ``every`` seconds; the next one counts the lines
-    left out (a flood must not fill the log)."""
-
-    def __init__(self, every: float = 10.0):
-        self.every = every
-        self._next = 0.0
-        self._skipped = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, log: Callable[..., None], msg: str, *args) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now < self._next:
-                self._skipped += 1
-                return
-            skipped, self._skipped = self._skipped, 0
-            self._next = now + self.every
-        if skipped:
-            msg += " (%d more like this in the last %.0f s)"
-            args = (*args, skipped, self.every)
-        log(msg, *args)
 
 
 # Dialling the FFN rank: first retry after this many seconds, doubling up to the
@@ -804,8 +781,8 @@ class TCPFFNConnector(FFNConnector):
         self._profile_requests: list[bool] = []
         self._handshakes = 0  # in progress (guarded by _hs_lock)
         self._hs_lock = threading.Lock()
-        self._log_refused = _Throttle()
-        self._log_accept_error = _Throttle()
+        self._log_refused = LogThrottle()
+        self._log_accept_error = LogThrottle()
 
     def start(self) -> None:
         host, port = self.addr
