@@ -401,6 +401,46 @@ def test_an_idle_loss_past_the_window_ends_the_engine_with_the_named_error(
     assert len(ended) == 1
 
 
+def test_the_attention_role_has_a_give_up_end_the_process(monkeypatch, tmp_path):
+    """AttentionClient.connect hands its connector failure.exit_now as on_failure before
+    the connection (and its heartbeat) starts: a give-up between steps ends the worker
+    process (status 1), whose engine then dies, as in a step."""
+    seen = {}
+
+    class Conn:
+        ffn_rank = 0
+
+        def connect(self):
+            seen["on_failure"] = getattr(self, "on_failure", None)
+            raise AFDPeerError("the test stops here")
+
+        def is_up(self):
+            return False
+
+        def lost_at(self):
+            return None
+
+    import vllm.afd.attention as attention_role
+
+    monkeypatch.setattr(attention_role, "create_attention_connector", lambda ctx: Conn())
+    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(tmp_path))
+    tmp_path.chmod(0o700)
+    stats = metrics.AFDStats()
+    monkeypatch.setattr(metrics, "STATS", stats)
+    vllm_config = types.SimpleNamespace(
+        afd_config=AFDConfig.from_dict({"role": "attention"}),
+        parallel_config=types.SimpleNamespace(data_parallel_rank=0),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
+        device_config=types.SimpleNamespace(device=torch.device("cpu")),
+    )
+    try:
+        with pytest.raises(AFDPeerError, match="the test stops here"):
+            AttentionClient().connect(vllm_config, fingerprint(), None)
+    finally:
+        stats.close()
+    assert seen["on_failure"] is failure.exit_now
+
+
 def test_an_idle_rejoin_refused_by_another_deployment_ends_the_engine(
     ffns, connected, tmp_path, monkeypatch
 ):
