@@ -234,7 +234,7 @@ def test_ffn_restart_loses_no_request(pair, reference, sig, down_s):
     # while the FFN server is down: the attention server is up, says so, and waits
     got = wait_for(lambda: (m := scrape(attn))["vllm:afd_peer_up"] == 0.0 and m, 30,
                    "vllm:afd_peer_up 0")  # fmt: skip
-    # /health: alive but not ready (patch 0018), with the reason
+    # /health: alive but not ready (patch health-afd-wait), with the reason
     status, body = su.http_get(f"{attn.url}/health", timeout=5)
     assert status == 503 and attn.alive(), (status, body)
     assert body.startswith("AFD: waiting for a lost FFN rank to come back: attention rank 0"), body

@@ -268,7 +268,7 @@ def test_dbo_steps_use_one_slot_and_stream_per_micro_batch(pair):
 
 def test_a_long_global_mode_capture_survives_the_watchdog(pair):
     """vLLM captures in global mode; the watchdog probes the device every 0.1 s
-    from its own thread. Inside graph_capture_guard (patch 0013 puts vLLM's
+    from its own thread. Inside graph_capture_guard (patch graph-capture-guard puts vLLM's
     capture_model there) a capture lasting many probe periods succeeds."""
     from vllm.afd.attention import graph_capture_guard
 

@@ -215,7 +215,7 @@ def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
 
 # Prefill and decode steps of at least 2 tokens are micro-batched (prefills run eagerly,
 # also with FULL_DECODE_ONLY graphs), on each model runner of the installed vLLM that
-# micro-batches: V1 up to 0.33.0 (Qwen3-MoE's FLASH_ATTN needs patch 0014 there), V2 from
+# micro-batches: V1 up to 0.33.0 (Qwen3-MoE's FLASH_ATTN needs patch ubatch-metadata-cache there), V2 from
 # 0.32.0 on (vllm.afd.dbo_v2 through the target's hook patch; the only runner of 0.34.0).
 DBO_RUNNERS = ["v1"] * HAS_V1_RUNNER + ["v2"] * HAS_V2_UBATCH_RUNNER
 

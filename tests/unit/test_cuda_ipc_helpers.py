@@ -152,7 +152,7 @@ def test_watchdog_skips_the_device_probe_during_graph_captures():
 
 
 def test_every_graph_capture_of_the_worker_runs_inside_the_guard():
-    """Patch 0013: the GPU worker captures CUDA graphs at two sites, capture_model and
+    """Patch graph-capture-guard: the GPU worker captures CUDA graphs at two sites, capture_model and
     the CUDA graph memory profiling of determine_available_memory
     (profile_cudagraph_memory); each runs inside graph_capture_guard, or the watchdog's
     device read can invalidate that capture (seen on an H200 at the profiling site).
