@@ -128,7 +128,7 @@ def free_ports(n: int = 1, host: str = "127.0.0.1", *, consecutive: bool = False
     if hi - lo < 8 * n:
         return _kernel_ports(n, host, consecutive)
     if len(_HANDED_OUT) > (hi - lo) // 2:
-        _HANDED_OUT.clear()  # a long session: the servers of the oldest ports are gone
+        _HANDED_OUT.clear()  # a long-lived process: the servers of the oldest ports are gone
     rng = random.SystemRandom()
     for _ in range(500):
         if consecutive:

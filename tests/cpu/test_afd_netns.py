@@ -196,7 +196,7 @@ def plain_long(model_dir, tmp_path_factory) -> Iterator[Callable[[], dict]]:
 def test_ffn_restart_across_namespaces(netns, model_dir, plain_long, tmp_path, procs):
     """The FFN rank (namespace B, its veth address) is SIGKILLed while the attention rank
     (namespace A) generates, and started again 2 s after it is gone: the attention rank holds
-    its step, rejoins it across the link and finishes with plain vLLM's tokens (issue 21)."""
+    its step, rejoins it across the link and finishes with plain vLLM's tokens."""
     port = su.free_port()
     (tmp_path / "prompts.json").write_text(json.dumps(SPEC_LONG))
 

@@ -49,7 +49,7 @@ def start_plain(model: Path, tmp_path: Path, engine_args: tuple[str, ...] = ()) 
 
 
 def plain_reference(model: Path, tmp_path: Path) -> dict:
-    """Plain vLLM output for PROMPTS (computed once per model per session)."""
+    """Plain vLLM output for PROMPTS (computed once per model per test run)."""
     key = str(model)
     if key not in _PLAIN_CACHE:
         _PLAIN_CACHE[key] = start_plain(model, tmp_path).output(START_TIMEOUT)

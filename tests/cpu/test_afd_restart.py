@@ -1,4 +1,4 @@
-"""No request lost when the FFN server restarts (issue 21): a `vllm serve` AFD pair on the
+"""No request lost when the FFN server restarts: a `vllm serve` AFD pair on the
 CPU (1 attention + 1 FFN, connector gloo) streams 16 concurrent greedy requests; the whole
 FFN server is stopped (SIGKILL to its process group, or SIGTERM to its API server: an
 upgrade) and started again on the same ports N seconds after it is gone. Every request

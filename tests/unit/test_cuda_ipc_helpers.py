@@ -221,7 +221,7 @@ def high_fd_pair():
 
 
 def test_socket_probe_works_for_a_descriptor_above_1024(high_fd_pair):
-    """Issue 19, item 2: the probe used select(), whose ValueError for a descriptor
+    """The probe used select() once, whose ValueError for a descriptor
     >= 1024 ended the watchdog thread: a lost FFN rank was never noticed."""
     high, other = high_fd_pair
     assert ipc.socket_lost(high) is None  # open, nothing to read; returns at once

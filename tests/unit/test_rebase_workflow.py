@@ -1,4 +1,4 @@
-"""The rebase workflow a newcomer follows (issue 22): the newest carried target by default,
+"""The rebase workflow a newcomer follows: the newest carried target by default,
 modify/delete stops, whole hunks, honest CPU-wheel messages, export paths, drift statuses, and the
 incremental, verifiable rebase-report. Synthetic releases through a file:// index (no network)."""
 
