@@ -86,7 +86,7 @@ test-cpu: models ## real vLLM on the CPU: plain checkpoints and the AFD oracle
 # The unit tests (about two minutes on one core) run beside the CPU tests, whose engines
 # leave a core idle while they start, wait or restart; their output follows the CPU tests'.
 # Each of the two pytest runs hands out listen ports from its own part of the window
-# (AFD_PORT_WINDOW, scripts/serve_util.py): the CPU tests below TEST_PORT_SPLIT, the unit
+# (AFD_PORT_WINDOW, scripts/serve_util/ports.py): the CPU tests below TEST_PORT_SPLIT, the unit
 # tests from it up (serve_util clips the top at the kernel's ephemeral range).
 TEST_PORT_SPLIT = 31500
 test: fetch models ## everything CI runs: lint, make check, unit and CPU tests
