@@ -78,8 +78,8 @@ def shared_gpu_note(device: str, modes: list[str], attention_gpu: str, ffn_gpu: 
                 "AFD's overheads against plain vLLM on the same GPU, not a two-GPU deployment")
     return (f"note: both AFD roles on GPU {attention_gpu} without MPS: the two processes "
             "time-slice it and every layer's hand-over waits for a time slice, so the AFD "
-            "figures measure the sharing, not AFD (docs/benchmarks.md, \"One H200, both roles "
-            "on GPU 0\"); use --mps, or give the FFN rank its own GPU with --ffn-gpu")
+            "figures measure the sharing, not AFD (docs/gpu-tests.md, \"One GPU or two\"); "
+            "use --mps, or give the FFN rank its own GPU with --ffn-gpu")
 
 
 ROUTING_ENV = "VLLM_MOE_ROUTING_SIMULATION_STRATEGY"
