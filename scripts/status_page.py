@@ -43,7 +43,7 @@ MATRIX_END = "<!-- END connector matrix -->"
 DEVICES = ("cpu", "cuda")
 # (key, column title) of the capabilities the status matrix shows, in its column order.
 CAPABILITIES = (
-    ("serve", "1A1F"),
+    ("serve", "AFD = plain"),
     ("graphs", "CUDA graphs"),
     ("dbo", "DBO"),
     ("rejoin", "rejoin"),
@@ -353,7 +353,8 @@ def render_status(specs, registry, lines: list[Line], data: dict, proofs: list[d
         "## What works",
         "",
         "Per line, device and connector (the spec records: [docs/connectors.md](connectors.md),",
-        "\"Capabilities\"): `-` the connector does not do it there; `CI` proven by a test of",
+        "\"Capabilities\"). `AFD = plain`: the oracle, AFD's output equal to plain vLLM's (1A1F, or",
+        "the topology of the proof). `-` the connector does not do it there; `CI` proven by a test of",
         "every CI run; a card and a date: proven by a run on that day (the proofs below);",
         "`not run`: declared by the connector, never run on this line and device. `opt-in`: an",
         "extra key turns it on; `M:1`: several attention ranks, one FFN rank.",
