@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Ports below the ephemeral range (scripts/serve_util.py says why).
+# Ports below the ephemeral range (scripts/serve_util/ports.py says why).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from serve_util import free_port  # noqa: E402
 
