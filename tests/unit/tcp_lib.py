@@ -48,13 +48,17 @@ def fingerprint(**changes) -> dict:
     return fp
 
 
-def make_ctx(role, port, rank=0, m=1, n=1, timeout=TIMEOUT, extra=None, **fp_changes):
+def make_ctx(
+    role, port, rank=0, m=1, n=1, timeout=TIMEOUT, extra=None, host=HOST, addresses=None,
+    **fp_changes,
+):
     cfg = AFDConfig.from_dict(
         {
             "role": role,
             "connector": "tcp",
-            "host": HOST,
+            "host": host,
             "port": port,
+            "ffn_addresses": addresses,
             "num_attention_ranks": m,
             "num_ffn_ranks": n,
             "timeout_s": timeout,

@@ -64,6 +64,7 @@ from vllm.afd.protocol import (
     shown,
     ubatch_flags,
 )
+from vllm.config.afd import join_address
 from vllm.distributed.afd.base import (
     AttentionConnector,
     ConnectorContext,
@@ -283,8 +284,8 @@ class TCPAttentionConnector(AttentionConnector):
         """Dial FFN rank ``ffn_rank`` from now on (its address, its name in messages)."""
         cfg = self.ctx.config
         self.ffn_rank = ffn_rank
-        self.addr = (cfg.host, cfg.ffn_port(ffn_rank))
-        self.peer = f"FFN rank {ffn_rank} at {cfg.host}:{self.addr[1]}"
+        self.addr = cfg.ffn_address(ffn_rank)
+        self.peer = f"FFN rank {ffn_rank} at {cfg.ffn_address_text(ffn_rank)}"
 
     def _dialer(self, ffn_rank: int) -> TCPAttentionConnector:
         """A shallow copy of this connector aimed at FFN rank ``ffn_rank``: it dials and
@@ -410,11 +411,11 @@ class TCPAttentionConnector(AttentionConnector):
         else:
             logger.warning(
                 "AFD: authentication off: $%s is not set, so attention rank %d cannot tell "
-                "the FFN rank at %s:%d from any process answering there (set the same secret "
+                "the FFN rank at %s from any process answering there (set the same secret "
                 "on every server of the deployment)",
                 self.secret_env,
                 self.ctx.rank,
-                *self.addr,
+                join_address(*self.addr),
             )
 
     def _dial(self, deadline: float, backoff: tuple[float, float]) -> socket.socket:
@@ -441,7 +442,8 @@ class TCPAttentionConnector(AttentionConnector):
                     raise AFDPeerError(
                         f"could not reach AFD {self.peer} within timeout_s={self.timeout:g}: "
                         f"{last_err}. Check that the FFN server is started with the same "
-                        "--afd-config, that host/port are right and reachable."
+                        "--afd-config, that its address (ffn_addresses, or host/port) is "
+                        "right and reachable from here."
                     ) from None
                 time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
                 wait = min(backoff[1], 2 * wait)
@@ -738,7 +740,7 @@ class TCPFFNConnector(FFNConnector):
         # rank is away (guests: served like own ranks, not waited for at start).
         self.takes_guests = cfg.ffn_failover
         self.guests: set[int] = set()
-        self.addr = (cfg.host, cfg.ffn_port(ctx.rank))
+        self.addr = cfg.ffn_listen_address(ctx.rank)
         self.timeout = float(cfg.timeout_s)
         self.secret_env, self.secret = shared_secret(ctx)
         self.listener: socket.socket | None = None
