@@ -95,7 +95,7 @@ def run(args) -> int:
         st = rl.scale(namespace_of(args), args.address, args.count)
     else:
         stopped = rl.down(namespace_of(args), args.address)
-        print(json.dumps({"stopped": stopped}) if args.json else
+        print(json.dumps({"stopped": stopped}, indent=2) if args.json else
               f"stopped: {' '.join(stopped) or 'nothing'}")  # fmt: skip
         return 0
     print(json.dumps(st, indent=2) if args.json else rl.format_status(st))

@@ -428,6 +428,12 @@ class Supervisor:
         """Run ``count`` attention slots: start the free slots of the least loaded FFN ranks,
         or drain (no request running or waiting) and stop the surplus."""
         att = [s for s in self.slots.values() if s.role == "attention"]
+        if not self.plan["elastic"]:
+            raise ValueError(
+                "scale: this topology reserves no spare attention slots (attention.max_ranks "
+                "== attention.ranks), so its FFN ranks wait for every slot when they start: "
+                "deploy it with attention.max_ranks > attention.ranks to scale"
+            )
         if not 1 <= count <= len(att):
             raise ValueError(f"scale attention {count}: this deployment has {len(att)} attention "
                              f"slots (attention.max_ranks); 1..{len(att)}")  # fmt: skip

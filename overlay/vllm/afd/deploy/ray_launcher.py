@@ -67,7 +67,7 @@ def plan(topo: Topology) -> dict[str, Any]:
         "servers": servers, "initial": initial, "slot_order": order,
         "num_ffn_ranks": topo.num_ffn_ranks,
         "afd_ports": [topo.afd_port(f) for f in range(topo.num_ffn_ranks)],
-        "relayed": topo.relayed, "relay_wait_s": timeout,
+        "relayed": topo.relayed, "elastic": topo.elastic, "relay_wait_s": timeout,
         "start_timeout_s": topo.ray["start_timeout_s"],
         "drain_timeout_s": topo.ray["drain_timeout_s"],
         "health_period_s": topo.ray["health_period_s"], "log_dir": topo.ray["log_dir"],

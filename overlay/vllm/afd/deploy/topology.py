@@ -46,6 +46,9 @@ RESOURCE_KEYS = ("gpus", "cpus", "memory", "ray_resources", "node_labels")
 RAY_KEYS = ("namespace", "start_timeout_s", "drain_timeout_s", "relay", "health_period_s",
             "log_dir", "internal_port_base")
 SECRET_KEYS = ("name", "key")
+# The FFN side's connector_extra_config key that lets attention slots stay empty (no
+# start-up wait for every attention rank), set on the FFN servers of an elastic topology.
+ELASTIC_KEY = "ffn_elastic_attention"
 
 
 class TopologyError(ValueError):
@@ -150,6 +153,12 @@ class Topology:
         return sorted(order[:count])
 
     @property
+    def elastic(self) -> bool:
+        """Spare attention slots (max_ranks > ranks): the FFN ranks must serve with some of
+        their slots empty, and ``scale`` may start and stop slots."""
+        return self.attention.max_ranks > self.attention.ranks
+
+    @property
     def relayed(self) -> bool:
         """Whether the Ray launcher puts a relay between attention and FFN ranks (the
         connector rejoins over its TCP channel, so a moved FFN rank is reached again)."""
@@ -170,6 +179,10 @@ class Topology:
         }
         if server.role == "attention" or self.ffn.layout == "replicas":
             cfg["rank"] = server.index
+        if server.role == "ffn" and self.elastic:
+            extra = dict(cfg.get("connector_extra_config") or {})
+            extra[ELASTIC_KEY] = True
+            cfg["connector_extra_config"] = extra
         return cfg
 
     def serve_args(self, server: Server) -> list[str]:
