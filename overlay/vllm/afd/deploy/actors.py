@@ -276,6 +276,7 @@ class Slot:
         self.restarts = 0
         self.started_at: float | None = None
         self.healthy_at: float | None = None
+        self.unhealthy_at: float | None = None
         self.missed = 0
         self.error = ""
 
@@ -370,6 +371,7 @@ class Supervisor:
         with self._lock:
             slot.actor, slot.node, slot.state = actor, node, "starting"
             slot.started_at, slot.healthy_at, slot.missed, slot.error = time.time(), None, 0, ""
+            slot.unhealthy_at = None
         self._event("started", server=slot.name, gen=slot.gen, node=ip, why=why,
                     log=log)  # fmt: skip
         if slot.role == "ffn" and self.plan["relayed"]:
@@ -554,12 +556,16 @@ class Supervisor:
                 return
             if code == 200:
                 if slot.state != "healthy":
-                    slot.healthy_at = time.time()
+                    now = time.time()
+                    since = slot.unhealthy_at or slot.started_at
+                    what = "started" if slot.unhealthy_at is None else "unhealthy"
+                    slot.healthy_at, slot.unhealthy_at = now, None
                     self._event("healthy", server=slot.name, gen=slot.gen,
-                                after_s=round(slot.healthy_at - slot.started_at, 1))  # fmt: skip
+                                **{f"after_{what}_s": round(now - since, 1)})  # fmt: skip
                 slot.state = "healthy"
             elif slot.state == "healthy":
-                slot.state = "unhealthy"
+                # An attention server answers 503 while it waits for a lost FFN rank.
+                slot.state, slot.unhealthy_at = "unhealthy", time.time()
                 self._event("unhealthy", server=slot.name, gen=slot.gen, http=code)
 
     def _restart(self, slot: Slot, why: str) -> None:
