@@ -50,12 +50,12 @@ def fingerprint(**changes) -> dict:
 
 def make_ctx(
     role, port, rank=0, m=1, n=1, timeout=TIMEOUT, extra=None, host=HOST, addresses=None,
-    **fp_changes,
+    connector="tcp", **fp_changes,
 ):
     cfg = AFDConfig.from_dict(
         {
             "role": role,
-            "connector": "tcp",
+            "connector": connector,
             "host": host,
             "port": port,
             "ffn_addresses": addresses,
@@ -65,7 +65,8 @@ def make_ctx(
             "connector_extra_config": extra or {},
         }
     )
-    fp = fingerprint(num_attention_ranks=m, num_ffn_ranks=n, **fp_changes)
+    fp = fingerprint(num_attention_ranks=m, num_ffn_ranks=n, connector=cfg.connector)
+    fp.update(fp_changes)
     return ConnectorContext(
         config=cfg,
         rank=rank,

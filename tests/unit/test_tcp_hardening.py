@@ -31,7 +31,7 @@ from test_afd_channel import high_descriptors
 
 from serve_util import free_port
 from vllm.afd import protocol as P
-from vllm.distributed.afd import channel, tcp
+from vllm.distributed.afd import channel, plane, tcp
 
 net = tcp_lib.net  # the fixture
 
@@ -270,7 +270,7 @@ def test_an_exception_in_a_background_receive_kills_the_connection(net, monkeypa
         raise ValueError("staging failed")
 
     with monkeypatch.context() as m:
-        m.setattr(tcp, "recv_tensor", broken)
+        m.setattr(plane, "recv_tensor", broken)
         wait = att.recv_start(torch.empty(4, HIDDEN))
         with pytest.raises(ValueError, match="staging failed"):
             wait()

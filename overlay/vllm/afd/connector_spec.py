@@ -260,3 +260,23 @@ register(ConnectorSpec(
     cross_host=True,
     max_ffn_ranks=1,
 ))
+
+register(ConnectorSpec(
+    name="nixl",
+    module="vllm.distributed.afd.nixl",
+    attention_class="NixlAttentionConnector",
+    ffn_class="NixlFFNConnector",
+    summary="one-sided NIXL writes into registered host-memory inboxes, with notifications",
+    devices=("cpu",),
+    cross_host=True,
+    dbo_devices=("cpu",),
+    rejoin="yes",
+    failover=True,
+    max_ubatches=2,
+    requires="nixl",
+    extra_keys=(
+        FAILOVER_KEY,
+        ExtraKey("nixl_backend", STRING, "UCX",
+                 "the NIXL backend that moves the activations (UCX: RDMA, TCP or shared memory)"),
+    ),
+))
