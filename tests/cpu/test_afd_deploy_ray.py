@@ -261,6 +261,7 @@ def test_ray_deploy_node_lost_scale_down(model_dir, log_dir, monkeypatch):
             requests_lost=0, tokens_compared_loss=compared)  # fmt: skip
         assert mid == len(streams), "every stream was mid-decode at the loss"
         st = rl.status(ns, nodes.address)
+        print(rl.format_status(st))  # what `status` shows the operator after the loss
         assert row(st, "ffn-0")["node"] == other and st["restarts"] == 1, st
         assert [e["server"] for e in st["events"] if e["what"] == "lost"] == ["ffn-0"], st["events"]
 

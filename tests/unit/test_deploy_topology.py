@@ -88,12 +88,17 @@ def test_refusals_name_the_field(changes, field, text):
     assert text in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("connector, placement", [
-    ("gloo", "multi_host"), ("tcp", "multi_host"), ("nccl", "multi_host"),
-    ("cuda_ipc", "one_host"), ("gloo", "one_host")])  # fmt: skip
-def test_connectors_and_placements_accepted(connector, placement):
+@pytest.mark.parametrize("connector, placement, relayed", [
+    ("gloo", "multi_host", True), ("tcp", "multi_host", True), ("nixl", "multi_host", True),
+    ("nccl", "multi_host", False), ("cuda_ipc", "one_host", False),
+    ("gloo", "one_host", True)])  # fmt: skip
+def test_connectors_and_placements_accepted(connector, placement, relayed):
     t = validate(topo(connector=connector, placement=placement))
     assert t.connector == {"tcp": "gloo"}.get(connector, connector)
+    # the Ray launcher relays the connectors that rejoin through their control channel
+    assert t.relayed is relayed
+    assert not validate(topo(connector=connector, placement=placement,
+                             ray={"relay": False})).relayed  # fmt: skip
 
 
 def test_derived_configs_of_replicas_with_spare_slots():
