@@ -207,6 +207,7 @@ def test_ray_deploy_node_lost_scale_down(model_dir, log_dir, monkeypatch):
     # Ray resolves 127.0.0.1 to this host's outward address unless told it runs on one
     # machine: all its traffic stays on the loopback addresses.
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no report leaves this machine
     reference = start_plain(model_dir, log_dir,
                             {"prompts": PROMPTS, "max_tokens": [STREAM_TOKENS] * len(PROMPTS)})
     nodes = RayNodes(secret)
