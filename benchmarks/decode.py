@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-# Ports below the ephemeral range (scripts/serve_util.py says why).
+# Ports below the ephemeral range (scripts/serve_util/ports.py says why).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import mps  # noqa: E402  (benchmarks/mps.py)
 import roofline  # noqa: E402  (benchmarks/roofline.py)

@@ -1,6 +1,6 @@
 """Serving benchmark through the OpenAI API: plain vLLM vs AFD 1A1F, with ``vllm bench serve``.
 
-The GPU issue's reference figures were taken this way (64 requests of 64 prompt and 256
+The reference serving configuration (docs/benchmarks.md) runs this way (64 requests of 64 prompt and 256
 output tokens sent at once, at most 64 sequences and 64 batched tokens per step, FULL decode
 graphs of size 64); on the GPU host, after ``benchmarks/make_shape.py --preset
 deepseek-v2-lite --out CONFIG_DIR``::

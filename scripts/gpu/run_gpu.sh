@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU host (see ../shared/GPU_HOST.md), from the repository root, after the bundle parts
+# On the GPU host (docs/gpu-tests.md), from the repository root, after the bundle parts
 # were copied to $AFD_BUNDLE_DIR (default /tmp/afd-bundle): install the bundle, show the
 # installed version, and run the GPU tests (plain vLLM vs AFD on the tiny checkpoints in
-# build/models). Logs go to $OUT (at most a handful of files: the device tool returns 8).
+# build/models) and the benchmarks asked for. Logs go to $OUT (a handful of files per run).
 set -uo pipefail
 OUT=${OUT:-/tmp/afd-out}
 mkdir -p "$OUT"
