@@ -291,6 +291,44 @@ def test_bad_config(raw, message):
         AFDConfig.from_dict(raw)
 
 
+# Numbers of the right type but outside their bounds: before, each was accepted and then
+# crashed or misbehaved (timeout_s 1e10: OverflowError in settimeout at connect; 1e-7: the
+# heartbeat waited 25 ns between beats; 10**9 attention ranks: rank lists of that size).
+OUT_OF_BOUNDS = [
+    ({"role": "ffn", "timeout_s": 1e10}, r"'timeout_s' must be between 0\.5 and 86400 seconds; got 1e\+10"),
+    ({"role": "ffn", "timeout_s": 1e-7}, r"'timeout_s' must be between 0\.5 and 86400 seconds; got 1e-07"),
+    ({"role": "ffn", "timeout_s": 0.49}, r"'timeout_s' must be between 0\.5 and 86400 seconds; got 0\.49"),
+    ({"role": "ffn", "timeout_s": 86401}, r"'timeout_s' must be between .*; got 86401"),
+    ({"role": "attention", "rejoin_timeout_s": 1e300},
+     r"'rejoin_timeout_s' must be at most 86400 seconds \(0 turns rejoining off\); got 1e\+300"),
+    ({"role": "attention", "rejoin_timeout_s": 86400.5}, r"'rejoin_timeout_s' must be at most 86400"),
+    ({"role": "ffn", "num_attention_ranks": 10**9},
+     r"'num_attention_ranks' must be at most 1024; got 1000000000"),
+    ({"role": "ffn", "num_attention_ranks": 2048, "num_ffn_ranks": 2048, "port": 1000},
+     r"'num_attention_ranks' must be at most 1024; got 2048"),
+    ({"role": "ffn", "num_attention_ranks": 1025}, r"'num_attention_ranks' must be at most 1024"),
+    ({"role": "attention", "dbo_min_tokens": 2**31}, r"'dbo_min_tokens' must be at most 2147483647"),
+    ({"role": "attention", "dbo_min_tokens": 10**30}, r"'dbo_min_tokens' must be at most 2147483647"),
+]
+
+
+@pytest.mark.parametrize("raw, message", OUT_OF_BOUNDS, ids=[_id(c) for c in OUT_OF_BOUNDS])
+def test_numbers_out_of_bounds_are_refused_naming_the_key(raw, message):
+    with pytest.raises(AFDConfigError, match=r"^--afd-config: .*" + message):
+        AFDConfig.from_dict(raw)
+
+
+def test_numbers_at_their_bounds_are_accepted():
+    for raw in (
+        {"role": "ffn", "timeout_s": 0.5, "rejoin_timeout_s": 86400},
+        {"role": "ffn", "timeout_s": 86400, "rejoin_timeout_s": 0},
+        {"role": "ffn", "num_attention_ranks": 1024, "num_ffn_ranks": 1024, "port": 1000,
+         "rank": 1023},
+        {"role": "attention", "dbo_min_tokens": 2**31 - 1, "port": 65535},
+    ):
+        AFDConfig.from_dict(raw)
+
+
 def test_at_least_twenty_distinct_bad_inputs():
     assert len({m for _, m in BAD}) >= 20
 
@@ -549,7 +587,7 @@ def test_verify_dbo_ok_on_the_cpu_with_gloo():
 
 def test_verify_dbo_ok_on_cuda_with_cuda_ipc():
     cfg(role="attention", connector="cuda_ipc").verify_with_vllm_config(_dbo_vllm("cuda"))
-    # FLASH_ATTN models too (patch 0014: one attention-metadata cache entry per micro-batch)
+    # FLASH_ATTN models too (patch ubatch-metadata-cache: one attention-metadata cache entry per micro-batch)
     cfg(role="attention", connector="cuda_ipc").verify_with_vllm_config(
         _dbo_vllm("cuda", mla=False))
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
+from tcp_lib import HIDDEN, Bg, make_ctx, wait_peers, wait_until
 
 from serve_util import free_port
-from tcp_lib import HIDDEN, Bg, make_ctx, wait_peers, wait_until
 from vllm.afd import protocol as P
 from vllm.distributed.afd import nixl
 from vllm.distributed.afd.base import create_attention_connector, create_ffn_connector

@@ -22,7 +22,9 @@ from torch.profiler import record_function
 from vllm.afd import compat, dbo, failure, metrics, rejoin
 from vllm.afd.protocol import AFDHandshakeError, AFDPeerError, AFDProtocolError
 from vllm.afd.roles import afd_config
-from vllm.afd.roles import graph_capture_guard as graph_capture_guard  # patch 0013 imports it here
+from vllm.afd.roles import (
+    graph_capture_guard as graph_capture_guard,  # patch graph-capture-guard imports it here
+)
 from vllm.distributed.afd.base import ConnectorContext, create_attention_connector
 from vllm.logger import init_logger
 
@@ -73,6 +75,9 @@ class AttentionClient:
             num_router_logits=num_router_logits,
         )
         connector = create_attention_connector(ctx)
+        # A loss the connector gives up on between steps (the rejoin window passed while
+        # idle) ends this process, as a lost peer in a step ends the engine.
+        connector.on_failure = failure.exit_now
         metrics.STATS.start("attention", rank, self.peers)
         metrics.STATS.outage = self.outage_seconds
         try:

@@ -7,7 +7,7 @@ says only "EngineCore encountered an issue". The AFD runtime therefore
 records its failure in a small file (``<role>-<rank>-<pid>.error`` next to
 the metrics snapshots, in the private directory of
 :func:`vllm.afd.metrics.metrics_dir`) before the exception travels up, and
-``EngineDeadError`` (patch 0011) appends the failure of its own server's
+``EngineDeadError`` (patch ``engine-dead-peer``) appends the failure of its own server's
 processes: the client reads e.g. "... AFD: lost AFD peer FFN rank 0 at
 10.0.0.2:29600: connection closed". Since that text reaches clients it is
 cleaned on the way in and out (:func:`clean_message`: no control or format
@@ -39,9 +39,14 @@ def clean_message(text: str) -> str:
 
 
 def _ancestry(pid: int) -> list[int]:
+    """``pid`` and its ancestors, up to and including pid 1: in a container the API
+    server is often pid 1 (the entrypoint), and its failure lookup needs itself in the
+    chain."""
     chain = []
-    while pid and pid > 1 and len(chain) < 64:
+    while pid and pid > 0 and len(chain) < 64:
         chain.append(pid)
+        if pid == 1:
+            break
         pid = parent_pid(pid)
     return chain
 

@@ -31,6 +31,16 @@ ROLES = ("attention", "ffn")
 # vllm.afd.connector_spec.
 
 
+# Bounds of the top-level numbers (README.md, "Keys"), checked at config time: a value
+# outside them crashed later or misbehaved (timeout_s 1e10 overflowed a socket timeout
+# at connect, 1e-7 spun the heartbeat; 10**9 attention ranks built rank lists of that
+# size; a huge rejoin_timeout_s overflowed the same way as timeout_s).
+TIMEOUT_S_RANGE = (0.5, 86400.0)  # seconds: a silent peer's bound; at most a day
+REJOIN_TIMEOUT_S_MAX = 86400.0  # seconds (0 turns rejoining off)
+MAX_RANKS = 1024  # num_attention_ranks, num_ffn_ranks
+DBO_MIN_TOKENS_MAX = 2**31 - 1
+
+
 class AFDConfigError(ValueError):
     """A bad AFD configuration; the message names the key and the fix."""
 
@@ -134,6 +144,7 @@ class AFDConfig:
         self._validate_address_and_ranks(fail)
         self._validate_flags_and_timeouts(fail)
         self._validate_rank_and_dbo(fail)
+        self._validate_bounds(fail)
         self._validate_extra(fail)
 
     def _validate_role_and_connector(self, fail) -> None:
@@ -249,6 +260,23 @@ class AFDConfig:
                 "'dbo_min_tokens' must be \"auto\" or a non-negative integer (tokens of the "
                 f"smallest step split into micro-batches); got {self.dbo_min_tokens!r}"
             )
+
+    def _validate_bounds(self, fail) -> None:
+        """The top-level numbers within their bounds (their types were checked before;
+        port and rank are bounded there)."""
+        lo, hi = TIMEOUT_S_RANGE
+        if not lo <= self.timeout_s <= hi:
+            fail(f"'timeout_s' must be between {lo:g} and {hi:g} seconds; got {self.timeout_s:g}")
+        if self.rejoin_timeout_s is not None and self.rejoin_timeout_s > REJOIN_TIMEOUT_S_MAX:
+            fail(
+                f"'rejoin_timeout_s' must be at most {REJOIN_TIMEOUT_S_MAX:g} seconds (0 turns "
+                f"rejoining off); got {self.rejoin_timeout_s:g}"
+            )
+        for key in ("num_attention_ranks", "num_ffn_ranks"):
+            if getattr(self, key) > MAX_RANKS:
+                fail(f"{key!r} must be at most {MAX_RANKS}; got {getattr(self, key)}")
+        if _is_int(self.dbo_min_tokens) and self.dbo_min_tokens > DBO_MIN_TOKENS_MAX:
+            fail(f"'dbo_min_tokens' must be at most {DBO_MIN_TOKENS_MAX}; got {self.dbo_min_tokens}")
 
     def _validate_extra(self, fail) -> None:
         """The keys of connector_extra_config, each checked against the connector's spec
@@ -561,7 +589,7 @@ class AFDConfig:
     def compile_factors(self) -> dict[str, Any]:
         """Everything that changes what the model computes or which layers this process
         builds; the address of the peer does not. vLLM 0.34.0's
-        ``VllmConfig.compile_factors`` takes them under ``"afd"`` (patch 0001)."""
+        ``VllmConfig.compile_factors`` takes them under ``"afd"`` (patch ``afd-config``)."""
         return {
             "role": self.role,
             "connector": self.connector,
@@ -572,7 +600,7 @@ class AFDConfig:
 
     def compute_hash(self) -> str:
         """The hash of :meth:`compile_factors` (``VllmConfig.compute_hash`` up to vLLM
-        0.33.0, patch 0001)."""
+        0.33.0, patch ``afd-config``)."""
         factors = json.dumps(self.compile_factors(), sort_keys=True)
         return hashlib.sha256(factors.encode()).hexdigest()[:32]
 

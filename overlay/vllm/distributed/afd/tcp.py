@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from vllm.afd import metrics
+from vllm.afd import failure, metrics
 from vllm.afd.protocol import (
     AUTH_NONE,
     AUTH_REQUIRED,
@@ -57,6 +57,7 @@ from vllm.afd.protocol import (
     AFDPeerError,
     AFDProtocolError,
     Control,
+    LogThrottle,
     auth_proof,
     fingerprint_mismatch,
     is_nonce,
@@ -133,30 +134,6 @@ def _hello_payload(ctx: ConnectorContext, role: str) -> dict:
     return payload
 
 
-class _Throttle:
-    """At most one log line per ``every`` seconds; the next one counts the lines
-    left out (a flood must not fill the log)."""
-
-    def __init__(self, every: float = 10.0):
-        self.every = every
-        self._next = 0.0
-        self._skipped = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, log: Callable[..., None], msg: str, *args) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now < self._next:
-                self._skipped += 1
-                return
-            skipped, self._skipped = self._skipped, 0
-            self._next = now + self.every
-        if skipped:
-            msg += " (%d more like this in the last %.0f s)"
-            args = (*args, skipped, self.every)
-        log(msg, *args)
-
-
 # Dialling the FFN rank: first retry after this many seconds, doubling up to the
 # second value. At start-up a fixed short interval (both servers come up together);
 # after a lost FFN rank a backoff (it restarts in seconds to minutes).
@@ -169,6 +146,9 @@ REJOIN_BACKOFF_S = (0.1, 1.0)
 # round, and how often a rank served by another replica tries its own again.
 FAILOVER_TRY_S = 0.5
 REBALANCE_S = 1.0
+# A home FFN rank that refuses this rank at the re-handshake (another checkpoint,
+# revision, topology or secret) is tried again after twice the last wait, up to this.
+REBALANCE_MAX_S = 60.0
 # The hello field of an attention rank that dials a replica other than its home
 # FFN rank (failover): that replica takes it as a guest when it has ffn_failover.
 HELLO_FAILOVER = "failover"
@@ -211,6 +191,15 @@ class TCPAttentionConnector(AttentionConnector):
         self._rejoin_lock = threading.Lock()
         self._lost_at: float | None = None
         self._next_home_try = 0.0  # failover: when to try the home FFN rank again
+        self._home_wait = REBALANCE_S  # and how long after a try (longer once refused)
+        self._home_refusal: str | None = None  # the home rank's refusal, logged once
+        # The rejoin window (rejoin_timeout_s) passed while idle: why (the reconnect's
+        # error); every later reconnect fails at once with it.
+        self._gave_up: str | None = None
+        # Called (heartbeat thread) with the named error once the rejoin window passed
+        # while idle; the attention role sets it to end the process (vllm.afd.failure
+        # exit_now), as a lost FFN rank ends the engine when no step is there to fail.
+        self.on_failure: Callable[[str], None] = lambda msg: None
 
     # -- connection ------------------------------------------------------
     def connect(self) -> None:
@@ -280,6 +269,8 @@ class TCPAttentionConnector(AttentionConnector):
         with self._rejoin_lock:
             if self.is_up():
                 return
+            if self._gave_up is not None:  # the window passed while idle (the engine ends)
+                raise AFDPeerError(self._gave_up)
             if self._lost_at is None:
                 self._lost_at = time.monotonic()
             self._drop_connection()
@@ -287,11 +278,13 @@ class TCPAttentionConnector(AttentionConnector):
                 sock, offer = self._establish_any(deadline)
             else:
                 sock, offer = self._establish(deadline, REJOIN_BACKOFF_S, rejoining=True)
-            if self._closed.is_set():  # closed meanwhile (the engine stops)
-                self.plane.discard(offer)
-                sock.close()
-                raise AFDPeerError(f"AFD attention rank closed while rejoining {self.peer}")
             with self._lock:
+                # close() sets _closed, then takes the lock: checked here, under it, so
+                # that a close() meanwhile never leaves this closed connector a session
+                if self._closed.is_set():  # closed meanwhile (the engine stops)
+                    self.plane.discard(offer)
+                    sock.close()
+                    raise AFDPeerError(f"AFD attention rank closed while rejoining {self.peer}")
                 self._attach(sock, offer)
                 self._step = None
                 self._in_step = False
@@ -363,16 +356,19 @@ class TCPAttentionConnector(AttentionConnector):
         now = time.monotonic()
         if self.ffn_rank == self.home or now < self._next_home_try:
             return
-        self._next_home_try = now + REBALANCE_S
+        self._next_home_try = now + self._home_wait
         with self._rejoin_lock:
             guest_peer = self.peer
             home = self._dialer(self.home)
             try:
                 sock, offer = home._establish(now + FAILOVER_TRY_S, (1.0, 1.0), rejoining=True)
-            except (AFDPeerError, AFDHandshakeError):
+            except AFDHandshakeError as e:
+                self._home_refused(home.peer, e)
+                return
+            except AFDPeerError:
                 return
             with self._lock:
-                moved = not (self._in_step or self._dead)
+                moved = not (self._in_step or self._dead or self._closed.is_set())
                 if moved:
                     old = self.sock
                     with contextlib.suppress(AFDPeerError):
@@ -380,15 +376,31 @@ class TCPAttentionConnector(AttentionConnector):
                     self.plane.detach()
                     self._aim(self.home)
                     self._attach(sock, offer)
-            if not moved:  # a step began meanwhile: try again later
+            if not moved:  # a step began meanwhile (try again later), or closed
                 self.plane.discard(offer)
                 with contextlib.suppress(AFDPeerError):
                     send_all(sock, Control(MSG_GOODBYE).pack(), 2.0, home.peer)
                 sock.close()
                 return
         old.close()
+        self._home_wait, self._home_refusal = REBALANCE_S, None
         logger.warning("AFD: attention rank %d moved back from %s to its own %s",
                        self.ctx.rank, guest_peer, self.peer)  # fmt: skip
+
+    def _home_refused(self, home: str, e: AFDHandshakeError) -> None:
+        """The home FFN rank answers but refuses this rank (another deployment came back
+        there): counted (vllm:afd_home_refusals_total), logged once per reason, and
+        tried again after a doubling wait (that rank logs each refused hello)."""
+        metrics.STATS.inc("home_refusals")
+        self._home_wait = min(REBALANCE_MAX_S, 2 * self._home_wait)
+        self._next_home_try = time.monotonic() + self._home_wait
+        if str(e) != self._home_refusal:
+            self._home_refusal = str(e)
+            logger.warning(
+                "AFD: attention rank %d stays on %s: its own %s refused it (%s); trying it "
+                "again in %.0f s, the wait doubling up to %.0f s",
+                self.ctx.rank, self.peer, home, e, self._home_wait, REBALANCE_MAX_S,
+            )  # fmt: skip
 
     def _drop_connection(self) -> None:
         """Close the lost connection and end its data-plane session."""
@@ -406,15 +418,30 @@ class TCPAttentionConnector(AttentionConnector):
         attention rank at once; a step that comes meanwhile waits for this."""
         lost = self._lost_at
         window = self.ctx.config.rejoin_window_s
-        if not self.can_rejoin or window <= 0 or lost is None:
-            return
-        if time.monotonic() >= lost + window:
+        if not self.can_rejoin or window <= 0 or lost is None or self._gave_up is not None:
             return
         try:
             self.reconnect(lost + window)
         except (AFDPeerError, AFDHandshakeError) as e:
-            logger.error("AFD: attention rank %d could not rejoin %s: %s",
-                         self.ctx.rank, self.peer, e)  # fmt: skip
+            if not self._closed.is_set():  # not the engine stopping
+                self._give_up(e, window)
+
+    def _give_up(self, e: Exception, window: float) -> None:
+        """The lost FFN rank did not come back within rejoin_timeout_s while no step ran
+        (or what came back is of another deployment): nothing else would end the engine,
+        which would wait (and /health answer "held until it rejoins") for good. Named as
+        a held step names it (vllm.afd.rejoin), recorded for the clients' error, then
+        on_failure."""
+        self._gave_up = str(e)
+        if isinstance(e, AFDHandshakeError):
+            msg = f"{self._dead or 'lost AFD ' + self.peer}; what came back is refused: {e}"
+        else:
+            msg = (f"{self._dead or 'lost AFD ' + self.peer}; it did not come back within "
+                   f"rejoin_timeout_s={window:g} ({e})")  # fmt: skip
+        logger.error("AFD: attention rank %d gives up on %s, ending the engine: %s",
+                     self.ctx.rank, self.peer, msg)  # fmt: skip
+        failure.record("attention", self.ctx.rank, msg)
+        self.on_failure(msg)
 
     def _log_auth(self) -> None:
         if self.secret:
@@ -749,8 +776,8 @@ class TCPFFNConnector(FFNConnector):
         self._profile_requests: list[bool] = []
         self._handshakes = 0  # in progress (guarded by _hs_lock)
         self._hs_lock = threading.Lock()
-        self._log_refused = _Throttle()
-        self._log_accept_error = _Throttle()
+        self._log_refused = LogThrottle()
+        self._log_accept_error = LogThrottle()
 
     def start(self) -> None:
         host, port = self.addr
