@@ -168,8 +168,9 @@ def main() -> int:
                 f"  (tokens equal plain's: {r[f'{side}_tokens_equal']})")
             print(f"  {side:>5}: {t:.2f} s generate, {t / r['steps'] * 1e3:.1f} ms per decode "
                   f"step, {t / r['plain_s']:.2f}x plain{same}")
-        extra = (r["afd_s"] - r["plain_s"]) / r["steps"] * 1e3
-        print(f"  AFD - plain: {extra:+.1f} ms per step; tokens equal: {r['tokens_equal']}")
+        for c in connectors:
+            extra = (r[f"{c}_s"] - r["plain_s"]) / r["steps"] * 1e3
+            print(f"  AFD ({c}) - plain: {extra:+.1f} ms per step")
     return 0
 
 

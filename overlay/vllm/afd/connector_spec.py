@@ -44,14 +44,17 @@ class ExtraKey:
         """Why ``value`` is not acceptable for this key, None when it is."""
         where = f"connector_extra_config.{self.name}"
         if self.kind == BOOL:
-            return None if isinstance(value, bool) else f"{where} must be true or false; got {value!r}"
+            if isinstance(value, bool):
+                return None
+            return f"{where} must be true or false; got {value!r}"
         if self.kind == STRING:
             if isinstance(value, str) and value.strip():
                 return None
             return f"{where} must be a non-empty string; got {value!r}"
         kind = "an integer" if self.kind == INT else "a number"
         wanted = f"{where} must be {kind} in {_bounds(self.minimum, self.maximum)}; got {value!r}"
-        if isinstance(value, bool) or not isinstance(value, int if self.kind == INT else (int, float)):
+        number = int if self.kind == INT else (int, float)
+        if isinstance(value, bool) or not isinstance(value, number):
             return wanted
         if not math.isfinite(value):
             return wanted
@@ -287,5 +290,8 @@ register(ConnectorSpec(
         ELASTIC_KEY,
         ExtraKey("nixl_backend", STRING, "UCX",
                  "the NIXL backend that moves the activations (UCX: RDMA, TCP or shared memory)"),
+        ExtraKey("nixl_spin_us", INT, 2000,
+                 "how long a wait polls without sleeping (us); lower where the roles share cores",
+                 minimum=0, maximum=1_000_000),
     ),
 ))

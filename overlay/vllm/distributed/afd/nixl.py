@@ -20,9 +20,13 @@ moves the activations:
   deadline), then copies the slot out. A
   step's messages in flight per direction never exceed 2 per micro-batch x
   ``max_ubatches`` (hidden states and router logits), below ``SLOTS``.
+* Host copies into and out of the registered slots are plain memory copies (one thread):
+  torch's intra-op threads, spinning in two processes on the same cores, turned a 128 KiB
+  copy into milliseconds.
 * Waits poll the agent (no progress thread: the waiting side drives its own progress),
-  spinning briefly and then sleeping in short steps, so two roles on one machine's cores
-  do not starve each other.
+  without sleeping for ``connector_extra_config.nixl_spin_us`` (default 2000) and then
+  sleeping 0.2 ms between polls: a long spin gives the shortest hand-over where each role
+  has cores of its own, a short one leaves the cores to the compute where roles share them.
 
 Host memory (DRAM) on both sides in this release; device tensors are staged through it.
 """
@@ -41,7 +45,7 @@ import torch
 
 from vllm.afd.protocol import AFDHandshakeError, AFDPeerError
 from vllm.distributed.afd.base import register_connector
-from vllm.distributed.afd.channel import recv_hello, send_hello
+from vllm.distributed.afd.channel import recv_hello, send_hello, tensor_bytes
 from vllm.distributed.afd.plane import AttentionPlane, FFNPlane, Link
 from vllm.distributed.afd.tcp import channel_connectors
 from vllm.logger import init_logger
@@ -51,8 +55,8 @@ logger = init_logger(__name__)
 # Inbox slots per session and direction (see the module docstring).
 SLOTS = 8
 ALIGN = 64
-# A wait spins this long before it sleeps between polls (s), then sleeps this long.
-SPIN_S = 0.002
+# A wait polls without sleeping for connector_extra_config.nixl_spin_us, then sleeps this
+# long between polls (s).
 SLEEP_S = 0.0002
 
 
@@ -83,8 +87,9 @@ def slot_bytes(ctx) -> int:
 class Agent:
     """One NIXL agent of this process, its notifications sorted by peer and session."""
 
-    def __init__(self, role: str, rank: int, backend: str):
+    def __init__(self, role: str, rank: int, backend: str, spin_s: float = 0.002):
         nixl_agent, nixl_agent_config = load_nixl()
+        self.spin_s = spin_s
         self.name = f"afd-{role}{rank}-{os.getpid()}-{secrets.token_hex(4)}"
         config = nixl_agent_config(enable_prog_thread=False, backends=[backend])
         self.agent = nixl_agent(self.name, config)
@@ -175,7 +180,7 @@ class Agent:
             now = time.monotonic()
             if now >= deadline:
                 raise AFDPeerError(f"AFD peer {who} did not answer within the timeout (nixl)")
-            if now - start > SPIN_S:
+            if now - start > self.spin_s:
                 time.sleep(SLEEP_S)
 
     def wait_done(self, handle, deadline: float, who: str) -> None:
@@ -184,7 +189,7 @@ class Agent:
             now = time.monotonic()
             if now >= deadline:
                 raise AFDPeerError(f"AFD nixl: a write to {who} did not complete in time")
-            if now - start > SPIN_S:
+            if now - start > self.spin_s:
                 time.sleep(SLEEP_S)
 
     def close(self) -> None:
@@ -242,7 +247,7 @@ def _send(agent: Agent, s: Session, x: torch.Tensor, timeout: float) -> None:
     host = x.contiguous() if x.device.type == "cpu" else x.contiguous().cpu()
     out = _view(s.box.outbox, s.box.slot, index, host)
     if out.numel():
-        out.copy_(host.view(-1).view(torch.uint8))
+        tensor_bytes(out)[:] = tensor_bytes(host)
     payload = out if out.numel() else s.box.outbox[index * s.box.slot:index * s.box.slot + 1]
     handle = agent.write(
         payload, s.peer_agent, s.peer_inbox + index * s.box.slot, f"{s.sid}:{seq}", s.who
@@ -262,7 +267,11 @@ def _claim(s: Session) -> int:
 def _recv(agent: Agent, s: Session, seq: int, out: torch.Tensor, deadline: float) -> None:
     agent.wait_for(s.peer_agent, f"{s.sid}:{seq}", deadline, s.who)
     src = _view(s.box.inbox, s.box.slot, seq % SLOTS, out)
-    if out.numel():
+    if not out.numel():
+        return
+    if out.device.type == "cpu" and out.is_contiguous():
+        tensor_bytes(out)[:] = tensor_bytes(src)
+    else:
         out.copy_(src.view(out.dtype).view(out.shape))
 
 
@@ -292,7 +301,9 @@ class NixlAttentionPlane(AttentionPlane):
     def __init__(self, ctx):
         super().__init__(ctx)
         load_nixl()  # fail at start, naming the package
-        self.backend = ctx.config.spec.value(ctx.config.connector_extra_config, "nixl_backend")
+        extra = ctx.config.connector_extra_config
+        self.backend = ctx.config.spec.value(extra, "nixl_backend")
+        self.spin_s = ctx.config.spec.value(extra, "nixl_spin_us") / 1e6
         self.slot = slot_bytes(ctx)
         self.agent: Agent | None = None
         self.box: Mailbox | None = None
@@ -300,7 +311,7 @@ class NixlAttentionPlane(AttentionPlane):
 
     def connect(self, link: Link, deadline: float) -> object:
         if self.agent is None:
-            self.agent = Agent("attention", self.ctx.rank, self.backend)
+            self.agent = Agent("attention", self.ctx.rank, self.backend, self.spin_s)
             self.box = Mailbox(self.agent, self.slot)
         sid = secrets.token_hex(6)
         send_hello(link.sock, _hello(self.agent, self.box, session=sid), link.timeout, link.peer)
@@ -371,9 +382,11 @@ class NixlFFNPlane(FFNPlane):
     def __init__(self, ctx):
         super().__init__(ctx)
         load_nixl()
-        backend = ctx.config.spec.value(ctx.config.connector_extra_config, "nixl_backend")
+        extra = ctx.config.connector_extra_config
+        backend = ctx.config.spec.value(extra, "nixl_backend")
         self.slot = slot_bytes(ctx)
-        self.agent = Agent("ffn", ctx.rank, backend)
+        spin_s = ctx.config.spec.value(extra, "nixl_spin_us") / 1e6
+        self.agent = Agent("ffn", ctx.rank, backend, spin_s)
         self.sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
         logger.info("AFD: FFN rank %d nixl agent %s (backend %s, %d-byte slots)",
