@@ -1412,11 +1412,10 @@ class TCPFFNConnector(FFNConnector):
             self._drop(p)
             return  # dropped before (a goodbye, or this loss was seen already)
         self._release(p)
-        p.why = why
+        p.why = self.lost[p.rank] = why
         self._drop(p)
         p.rx.clear()
         p.tx.clear()
-        self.lost[p.rank] = why
         if self.survives_peer_loss:
             logger.warning(
                 "AFD: FFN rank %d lost attention rank %d (%s); serving the other attention "
