@@ -1137,6 +1137,7 @@ class TCPFFNConnector(FFNConnector):
         for r in ready:
             if (peer := self.peers.get(r.rank)) is not None:
                 peer.last_step = now
+                peer.held = False  # handed out: its next bytes are read for the step
         return ready
 
     def _poll(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
@@ -1164,8 +1165,9 @@ class TCPFFNConnector(FFNConnector):
                 return self._take_steps(peers)
 
     def _take_steps(self, peers: list[Peer]) -> list[StepPeer]:
-        """Hand out the step-control messages read for ``peers`` (their ranks' next bytes
-        are read again: the step's data, once the runner posts it)."""
+        """The step-control messages read for ``peers``. Their ranks stay held (nothing of
+        theirs is read: the step's data follows) until wait_step hands the steps out; the
+        runner posts the data's receives before it pumps again."""
         mine = {id(p) for p in peers}
         out, keep = [], []
         for step in self._steps:
@@ -1173,8 +1175,6 @@ class TCPFFNConnector(FFNConnector):
                 continue  # that session is gone
             (out if id(step.session) in mine else keep).append(step)
         self._steps = keep
-        for step in out:
-            step.session.held = False
         return out
 
     # -- the byte pump -------------------------------------------------------
