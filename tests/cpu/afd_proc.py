@@ -86,19 +86,28 @@ def generate(args) -> int:
     ]
     if args.start_when:
         wait_for_file(args.start_when, START_WHEN_TIMEOUT_S)
-    t1 = time.perf_counter()
     print("AFD-PROC-GENERATING", flush=True)
+    write_round(llm, spec, params, args.out, {"start_s": t_start})
+    if args.again_when:
+        print("AFD-PROC-ROUND-DONE", flush=True)
+        wait_for_file(args.again_when, START_WHEN_TIMEOUT_S)
+        print("AFD-PROC-GENERATING-AGAIN", flush=True)
+        write_round(llm, spec, params, args.again_out, {})
+    return 0
+
+
+def write_round(llm, spec: dict, params, out: str, head: dict) -> None:
+    """Generate ``spec``'s prompts once and write the outputs (tokens, top logprobs)."""
+    t1 = time.perf_counter()
     outs = llm.generate(spec["prompts"], params, use_tqdm=False)
-    t_gen = time.perf_counter() - t1
-    result = {"start_s": t_start, "generate_s": t_gen, "outputs": []}
-    for out in outs:
-        comp = out.outputs[0]
+    result = {**head, "generate_s": time.perf_counter() - t1, "outputs": []}
+    for o in outs:
+        comp = o.outputs[0]
         lps = [{str(k): v.logprob for k, v in lp.items()} for lp in comp.logprobs or []]
         result["outputs"].append({"token_ids": list(comp.token_ids), "text": comp.text,
                                   "logprobs": lps})
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(result, f)
-    return 0
 
 
 def serve_ffn(args) -> int:
@@ -157,6 +166,10 @@ def main() -> int:
     p.add_argument("--afd")
     p.add_argument("--start-when", metavar="FILE",
                    help="plain/attention: generate once FILE exists (after AFD-PROC-READY)")
+    p.add_argument("--again-when", metavar="FILE",
+                   help="attention: after the first round, say AFD-PROC-ROUND-DONE, wait for "
+                        "FILE and generate the prompts again into --again-out")
+    p.add_argument("--again-out")
     p.add_argument("--logprobs", type=int, default=5)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")

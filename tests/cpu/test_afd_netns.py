@@ -66,10 +66,33 @@ class NetNS:
     veth_b: str
     addr_a: str
     addr_b: str
+    c: str = ""  # a third host (a second FFN replica)
+    veth_c: str = ""
+    addr_c: str = ""
+    # Names every namespace resolves (its own /etc/hosts, `ip netns exec` mounts it)
+    names: dict[str, str] | None = None
+
+
+def _made_namespace(name: str, dev: str, addr: str, bridge: str, hosts: str) -> None:
+    """Namespace ``name`` on the bridge: its end of a veth pair (``dev``) at ``addr``, the
+    other end on ``bridge`` in this namespace, its own /etc/hosts."""
+    _ip("netns", "add", name)
+    _ip("link", "add", dev, "type", "veth", "peer", "name", dev + "h")
+    _ip("link", "set", dev, "netns", name)
+    _ip("link", "set", dev + "h", "master", bridge)
+    _ip("link", "set", dev + "h", "up")
+    _ip("-n", name, "addr", "add", f"{addr}/24", "dev", dev)
+    _ip("-n", name, "link", "set", "lo", "up")
+    _ip("-n", name, "link", "set", dev, "up")
+    etc = Path("/etc/netns") / name
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "hosts").write_text(hosts)
 
 
 @pytest.fixture(scope="module")
 def netns():
+    """Three namespaces (hosts) A, B, C on one bridge, each with a veth address 10.X.Y.1-3
+    and the names ffn-0.afd.test (B) and ffn-1.afd.test (C) in its own /etc/hosts."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (os.geteuid() != 0)")
     if shutil.which("ip") is None:
@@ -78,23 +101,23 @@ def netns():
     tag = f"{os.getpid() % 1000:03d}{rng.randrange(1000):03d}"
     x, y = rng.randrange(100, 250), rng.randrange(1, 250)
     ns = NetNS(a=f"afdA{tag}", b=f"afdB{tag}", veth_a=f"afva{tag}", veth_b=f"afvb{tag}",
-               addr_a=f"10.{x}.{y}.1", addr_b=f"10.{x}.{y}.2")  # fmt: skip
+               addr_a=f"10.{x}.{y}.1", addr_b=f"10.{x}.{y}.2", c=f"afdC{tag}",
+               veth_c=f"afvc{tag}", addr_c=f"10.{x}.{y}.3")  # fmt: skip
+    ns.names = {"ffn-0.afd.test": ns.addr_b, "ffn-1.afd.test": ns.addr_c}
+    hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in ns.names.items())
+    bridge = f"afbr{tag}"
     made: list[str] = []
     try:
-        r = _ip("netns", "add", ns.a, check=False)
+        r = _ip("link", "add", bridge, "type", "bridge", check=False)
         if r.returncode != 0:
-            pytest.skip(f"`ip netns add` failed: {r.stderr.strip()}")
-        made.append(ns.a)
-        _ip("netns", "add", ns.b)
-        made.append(ns.b)
-        _ip("link", "add", ns.veth_a, "type", "veth", "peer", "name", ns.veth_b)
-        _ip("link", "set", ns.veth_a, "netns", ns.a)
-        _ip("link", "set", ns.veth_b, "netns", ns.b)
-        for name, dev, addr in ((ns.a, ns.veth_a, ns.addr_a), (ns.b, ns.veth_b, ns.addr_b)):
-            _ip("-n", name, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", name, "link", "set", "lo", "up")
-            _ip("-n", name, "link", "set", dev, "up")
-        print(f"namespaces {ns.a} ({ns.addr_a}) <-> {ns.b} ({ns.addr_b})")
+            pytest.skip(f"`ip link add type bridge` failed: {r.stderr.strip()}")
+        _ip("link", "set", bridge, "up")
+        for name, dev, addr in ((ns.a, ns.veth_a, ns.addr_a), (ns.b, ns.veth_b, ns.addr_b),
+                                (ns.c, ns.veth_c, ns.addr_c)):  # fmt: skip
+            made.append(name)
+            _made_namespace(name, dev, addr, bridge, hosts)
+        print(f"namespaces {ns.a} ({ns.addr_a}), {ns.b} ({ns.addr_b}), {ns.c} ({ns.addr_c}) "
+              f"on bridge {bridge}")
         yield ns
     finally:
         for name in made:
@@ -106,10 +129,12 @@ def netns():
                 except (ProcessLookupError, ValueError):
                     pass
             _ip("netns", "del", name, check=False)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+        _ip("link", "del", bridge, check=False)
         left = _ip("netns", "list", check=False).stdout
-        assert ns.a not in left and ns.b not in left, left
+        assert not any(n in left for n in made), left
         links = _ip("link", "show", check=False).stdout
-        assert ns.veth_a not in links and ns.veth_b not in links
+        assert ns.veth_a not in links and ns.veth_b not in links and bridge not in links
 
 
 def afd(role: str, host: str, port: int, timeout_s: float, **extra) -> str:
@@ -132,13 +157,15 @@ def _connect_from(ns: str, host: str, port: int) -> str:
 
 
 def test_oracle_across_namespaces(netns, model_dir, plain, tmp_path, procs):
+    """Connector nixl across the link, the FFN rank reached by name (ffn_addresses)."""
     port = su.free_port()
+    nixl = {"connector": "nixl", "ffn_addresses": [f"ffn-0.afd.test:{port}"]}
     (tmp_path / "prompts.json").write_text(json.dumps(SPEC))
     ffn = AfdProc("ffn", model_dir, tmp_path / "ffn.log",
-                  ["--afd", afd("ffn", netns.addr_b, port, 120)], netns=netns.b)
+                  ["--afd", afd("ffn", netns.addr_b, port, 120, **nixl)], netns=netns.b)
     procs.append(ffn)
     attn = AfdProc("attention", model_dir, tmp_path / "attn.log",
-                   ["--afd", afd("attention", netns.addr_b, port, 120),
+                   ["--afd", afd("attention", "0.0.0.0", port, 120, **nixl),
                     "--prompts", str(tmp_path / "prompts.json"),
                     "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
                    netns=netns.a)  # fmt: skip
@@ -151,11 +178,13 @@ def test_oracle_across_namespaces(netns, model_dir, plain, tmp_path, procs):
     assert f"listening on {netns.addr_b}:{port}" in text, ffn.tail()
     assert f"accepted attention rank 0 from {netns.addr_a}:" in text, ffn.tail()
     assert "said goodbye" in text, ffn.tail()
+    assert "nixl agent afd-ffn0-" in text, ffn.tail()
+    assert f"connected to FFN rank 0 at ffn-0.afd.test:{port}" in attn.text(), attn.tail()
     assert ffn.p.poll() is None, "the FFN must keep serving after the attention goodbye"
     # it binds only the configured address: nothing listens on its namespace's loopback
     assert _connect_from(netns.b, "127.0.0.1", port) == "ConnectionRefusedError"
     assert _connect_from(netns.a, netns.addr_b, port) == "open"  # while on the veth it is
-    print(f"AFD across namespaces: tokens identical, max |logprob diff| {worst:.2e}, "
+    print(f"AFD (nixl, by name) across namespaces: tokens identical, max |logprob diff| {worst:.2e}, "
           f"{time.monotonic() - t0:.0f} s")  # fmt: skip
     assert ffn.stop() == 0, ffn.tail()
     assert "AFD-FFN-STOPPED" in ffn.text()
@@ -194,21 +223,24 @@ def plain_long(model_dir, tmp_path_factory) -> Iterator[Callable[[], dict]]:
 
 
 def test_ffn_restart_across_namespaces(netns, model_dir, plain_long, tmp_path, procs):
-    """The FFN rank (namespace B, its veth address) is SIGKILLed while the attention rank
-    (namespace A) generates, and started again 2 s after it is gone: the attention rank holds
-    its step, rejoins it across the link and finishes with plain vLLM's tokens (issue 21)."""
+    """Connector nixl: the FFN rank (namespace B, its veth address) is SIGKILLed while the
+    attention rank (namespace A) generates, and started again 2 s after it is gone (a new
+    NIXL agent): the attention rank holds its step, rejoins it across the link and finishes
+    with plain vLLM's tokens."""
     port = su.free_port()
     (tmp_path / "prompts.json").write_text(json.dumps(SPEC_LONG))
 
     def start_ffn(n: int) -> AfdProc:
         ffn = AfdProc("ffn", model_dir, tmp_path / f"ffn{n}.log",
-                      ["--afd", afd("ffn", netns.addr_b, port, 60)], netns=netns.b)
+                      ["--afd", afd("ffn", netns.addr_b, port, 60, connector="nixl")],
+                      netns=netns.b)  # fmt: skip
         procs.append(ffn)
         return ffn
 
     ffn = start_ffn(1)
     attn = AfdProc("attention", model_dir, tmp_path / "attn.log",
-                   ["--afd", afd("attention", netns.addr_b, port, 60, rejoin_timeout_s=300),
+                   ["--afd", afd("attention", netns.addr_b, port, 60, rejoin_timeout_s=300,
+                                 connector="nixl"),
                     "--prompts", str(tmp_path / "prompts.json"),
                     "--out", str(tmp_path / "afd.json"), "--max-num-seqs", "4"],
                    netns=netns.a)  # fmt: skip
@@ -236,6 +268,79 @@ def test_ffn_restart_across_namespaces(netns, model_dir, plain_long, tmp_path, p
     print(f"FFN restart across namespaces: tokens identical, max |logprob diff| {worst:.2e}; "
           f"{line.split('AFD: ')[-1]}; generation done {took:.0f} s after the kill")  # fmt: skip
     assert new_ffn.stop() == 0, new_ffn.tail()
+
+
+def test_ffn_replica_failover_across_three_hosts(netns, model_dir, plain_long, tmp_path, procs):
+    """Connector nixl, FFN replicas on two hosts reached by name (ffn_addresses with
+    ffn_failover): FFN replica 0 on host B (ffn-0.afd.test), replica 1 on host C
+    (ffn-1.afd.test); attention rank 0 on host A, attention rank 1 on host C. Replica 1 is
+    SIGKILLed while both ranks generate: rank 1 fails over to replica 0 on host B and both
+    finish with plain vLLM's tokens (no request lost); replica 1 is started again, rank 1
+    moves back home, and its second round is served there, again with plain's tokens."""
+    port = su.free_port()
+    topo = {"connector": "nixl", "num_attention_ranks": 2, "num_ffn_ranks": 2,
+            "ffn_addresses": [f"ffn-0.afd.test:{port}", f"ffn-1.afd.test:{port}"],
+            "connector_extra_config": {"ffn_failover": True}}  # fmt: skip
+    (tmp_path / "prompts.json").write_text(json.dumps(SPEC_LONG))
+    again = tmp_path / "again"
+
+    def start_ffn(rank: int, tag: str) -> AfdProc:
+        host, ns = (netns.addr_b, netns.b) if rank == 0 else (netns.addr_c, netns.c)
+        p = AfdProc("ffn", model_dir, tmp_path / f"ffn{rank}{tag}.log",
+                    ["--afd", afd("ffn", host, port, 60, rank=rank, **topo)], netns=ns)
+        procs.append(p)
+        return p
+
+    def start_attention(rank: int, ns: str) -> AfdProc:
+        p = AfdProc("attention", model_dir, tmp_path / f"attn{rank}.log",
+                    ["--afd", afd("attention", "0.0.0.0", port, 60, rank=rank,
+                                  rejoin_timeout_s=120, **topo),
+                     "--prompts", str(tmp_path / "prompts.json"),
+                     "--out", str(tmp_path / f"afd{rank}.json"), "--max-num-seqs", "4",
+                     *(["--again-when", str(again), "--again-out",
+                        str(tmp_path / f"afd{rank}.again.json")] if rank == 1 else [])],
+                    netns=ns)  # fmt: skip
+        procs.append(p)
+        return p
+
+    ffn0, ffn1 = start_ffn(0, ""), start_ffn(1, "")
+    attn0, attn1 = start_attention(0, netns.a), start_attention(1, netns.c)
+    for a in (attn0, attn1):
+        assert a.wait_for_log("AFD-PROC-GENERATING", START_TIMEOUT_S), (
+            a.tail() + "\n--- ffn0 ---\n" + ffn0.tail() + "\n--- ffn1 ---\n" + ffn1.tail()
+        )
+    t_kill = time.monotonic()
+    ffn1.kill()
+    assert ffn1.gone()
+    # both first rounds end with plain's tokens: rank 1's on its guest replica
+    assert attn0.wait_exit(START_TIMEOUT_S) == 0, attn0.tail()
+    assert attn1.wait_for_log("AFD-PROC-ROUND-DONE", START_TIMEOUT_S), attn1.tail()
+    done_s = time.monotonic() - t_kill
+    for rank in (0, 1):
+        assert_outputs_match(plain_long(), json.loads((tmp_path / f"afd{rank}.json").read_text()),
+                             SPEC_LONG["max_tokens"], LOGPROB_TOL)  # fmt: skip
+    home0 = f"FFN rank 0 at ffn-0.afd.test:{port}"
+    home1 = f"FFN rank 1 at ffn-1.afd.test:{port}"
+    guest = f"took attention rank 1 from {netns.addr_c}:"
+    assert guest in ffn0.text(), ffn0.tail()
+    # the replica comes back; rank 1 moves back home and its next round is served there
+    t_back = time.monotonic()
+    new_ffn1 = start_ffn(1, "-new")
+    moved = f"attention rank 1 moved back from {home0} to its own {home1}"
+    assert attn1.wait_for_log(moved, START_TIMEOUT_S), attn1.tail() + new_ffn1.tail()
+    back_s = time.monotonic() - t_back
+    again.touch()
+    assert attn1.wait_exit(START_TIMEOUT_S) == 0, attn1.tail()
+    assert_outputs_match(plain_long(),
+                         json.loads((tmp_path / "afd1.again.json").read_text()),
+                         SPEC_LONG["max_tokens"], LOGPROB_TOL)  # fmt: skip
+    assert new_ffn1.stop() == 0, new_ffn1.tail()
+    served = [ln for ln in new_ffn1.text().splitlines() if "AFD-FFN-STOPPED" in ln][-1]
+    assert int(served.split("steps=")[1].split()[0]) > 0, served
+    assert ffn0.stop() == 0, ffn0.tail()
+    print(f"three hosts, nixl: replica 1 killed; both first rounds done {done_s:.1f} s "
+          f"later, 8 of 8 requests with plain's tokens; the new replica 1 took rank 1 back "
+          f"{back_s:.1f} s after its start; second round: {served.split('AFD-FFN-STOPPED ')[-1]}")
 
 
 def test_network_cut_ends_the_attention_side_and_the_ffn_drops_the_rank(netns, model_dir, tmp_path, procs):

@@ -82,14 +82,16 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
             num_attention=1, extra: dict | None = None, attn_model: Path | None = None,
             attn_args: tuple[str, ...] = (), ffn_group: int = 1,
             attn_extra: dict | None = None, ffn_ready_first: bool = False,
-            engine_args: tuple[str, ...] = (), together: bool = False):
+            engine_args: tuple[str, ...] = (), together: bool = False,
+            rank_args: dict[int, tuple[str, ...]] | None = None):
     """ffn_group > 1: one FFN server of that many tensor-parallel workers, FFN
     ranks 0..ffn_group-1 (an FFN group). attn_extra: --afd-config keys of the
     attention ranks only (timeouts: the handshake does not compare them).
     engine_args: afd_proc.py arguments of every engine (dtype, cache dtype).
     ffn_ready_first: start the attention ranks once the FFN server listens (their
     connect timeout then counts from their first attempt, not from the FFN's start).
-    together: the attention ranks generate at once, when every one of them is up."""
+    together: the attention ranks generate at once, when every one of them is up.
+    rank_args: afd_proc.py arguments of one attention rank (by rank) beside attn_args."""
     extra = dict(extra or {})
     port = free_port(ffn_group)
     prompts = write_prompts(tmp_path)
@@ -110,7 +112,7 @@ def run_afd(procs, tmp_path: Path, model: Path, *, attention_first=False,
                                        **{**topo, **(attn_extra or {})}),
                      "--prompts", str(prompts), "--out", str(out), "--max-num-seqs", "4",
                      *(["--start-when", str(go)] if together else []),
-                     *engine_args, *attn_args])
+                     *engine_args, *attn_args, *(rank_args or {}).get(rank, ())])
         procs.append(p)
         return p, out
 
@@ -241,6 +243,25 @@ def test_oracle_2a1f(models_dir, tmp_path, procs):
     # passes join them (41 of 65, 21 of 85, 27 of 79 steps here, 2 cores); none would mean no
     # batching. (Started as each engine came up, the ranks once did not overlap at all.)
     assert counts["batched"] > 0, counts
+
+
+def test_oracle_nixl_2a1f_one_rank_dbo(models_dir, tmp_path, procs):
+    """Connector nixl (the control channel with the NIXL data plane: one-sided writes into
+    registered inboxes over UCX): two attention ranks on one FFN rank, rank 0 with DBO
+    (two micro-batches in flight), rank 1 without; each generates plain vLLM's tokens."""
+    model = models_dir / "qwen3_moe"
+    plain = plain_reference(model, tmp_path)
+    ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, together=True,
+                         extra={"connector": "nixl"},
+                         rank_args={0: ("--enable-dbo", "--dbo-threshold", "2")})
+    for attn, out in attns:
+        assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
+        assert_matches(plain, json.loads(out.read_text()))
+    assert "AFD attention role: DBO on, 2 micro-batches" in attns[0][0].text()
+    assert "nixl agent afd-ffn0-" in ffn.text(), ffn.tail()
+    counts = ffn_stopped_counts(ffn)
+    print(counts)
+    assert counts["ubatched"] > 0 and counts["steps"] > 0, counts
 
 
 @pytest.mark.parametrize("name, num_attention", [("qwen3_moe", 2), ("deepseek_v2", 4)],

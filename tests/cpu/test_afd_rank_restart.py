@@ -206,8 +206,8 @@ def test_attention_rank_killed_and_restarted_the_other_never_stops(model_dir, lo
         # its own deadline: the FFN's timeout_s after its last byte (between steps at most
         # a heartbeat interval, 1 s, before the stop)
         assert FFN_TIMEOUT_S - 1.5 <= t_drop <= FFN_TIMEOUT_S + 5, t_drop
-        assert afd_metrics(ffn)[
-            'vllm:afd_peer_up{afd_rank="0",peer="attention_rank_1",role="ffn"}'] == 0
+        peer_up = 'vllm:afd_peer_up{afd_rank="0",peer="attention_rank_1",role="ffn"}'
+        wait_for(lambda: afd_metrics(ffn).get(peer_up) == 0, 10, f"{peer_up} 0")
         running = join_streams(streams0, 240)
         assert not running, [s.prompt for s in running]
         pause = longest_pause(streams0, t_stop)

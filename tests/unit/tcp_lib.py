@@ -48,20 +48,25 @@ def fingerprint(**changes) -> dict:
     return fp
 
 
-def make_ctx(role, port, rank=0, m=1, n=1, timeout=TIMEOUT, extra=None, **fp_changes):
+def make_ctx(
+    role, port, rank=0, m=1, n=1, timeout=TIMEOUT, extra=None, host=HOST, addresses=None,
+    connector="tcp", **fp_changes,
+):
     cfg = AFDConfig.from_dict(
         {
             "role": role,
-            "connector": "tcp",
-            "host": HOST,
+            "connector": connector,
+            "host": host,
             "port": port,
+            "ffn_addresses": addresses,
             "num_attention_ranks": m,
             "num_ffn_ranks": n,
             "timeout_s": timeout,
             "connector_extra_config": extra or {},
         }
     )
-    fp = fingerprint(num_attention_ranks=m, num_ffn_ranks=n, **fp_changes)
+    fp = fingerprint(num_attention_ranks=m, num_ffn_ranks=n, connector=cfg.connector)
+    fp.update(fp_changes)
     return ConnectorContext(
         config=cfg,
         rank=rank,

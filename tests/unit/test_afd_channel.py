@@ -180,9 +180,21 @@ def test_base_classes_declare_the_whole_contract():
 
 
 # -------------------------------------------------------------- registry
-def test_registry_imports_a_connector_module_on_first_use(tmp_path, monkeypatch):
-    mod = tmp_path / "afd_lazy_connector.py"
+def test_a_connector_named_by_module_path_is_imported_and_read_from_its_spec(
+    tmp_path, monkeypatch
+):
+    from vllm.afd import connector_spec
+    from vllm.config.afd import AFDConfig, AFDConfigError
+
+    (tmp_path / "afd_ext").mkdir()
+    (tmp_path / "afd_ext" / "__init__.py").write_text("")
+    mod = tmp_path / "afd_ext" / "lazy_connector.py"
     mod.write_text(
+        "from vllm.afd.connector_spec import ConnectorSpec, ExtraKey, INT\n"
+        "AFD_CONNECTOR_SPEC = ConnectorSpec(\n"
+        "    name='lazy_test', module='afd_ext.lazy_connector', attention_class='A',\n"
+        "    ffn_class='F', summary='a test plane', devices=('cpu',), cross_host=True,\n"
+        "    extra_keys=(ExtraKey('lanes', INT, 1, 'lanes', minimum=1, maximum=8),))\n"
         "from vllm.distributed.afd.base import AttentionConnector, FFNConnector\n"
         "class A(AttentionConnector):\n"
         "    connect = begin_step = send = recv = end_step = close = lambda *a, **k: None\n"
@@ -190,29 +202,53 @@ def test_registry_imports_a_connector_module_on_first_use(tmp_path, monkeypatch)
         "    start = wait_step = recv = send = close = lambda *a, **k: None\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(base, "_LAZY", dict(base._LAZY))
+    monkeypatch.setattr(connector_spec, "SPECS", dict(connector_spec.SPECS))
     monkeypatch.setattr(base, "_LOADED", dict(base._LOADED))
-    monkeypatch.delitem(sys.modules, "afd_lazy_connector", raising=False)
-    base.register_connector_module("lazy_test", "afd_lazy_connector", "A", "F")
-    assert "lazy_test" in base.connector_names()
-    assert "afd_lazy_connector" not in sys.modules  # not imported by registering
+    monkeypatch.delitem(sys.modules, "afd_ext.lazy_connector", raising=False)
+    assert "lazy_test" not in base.connector_names()
+    cfg = AFDConfig.from_dict(
+        {"role": "attention", "connector": "afd_ext.lazy_connector",
+         "connector_extra_config": {"lanes": 4}}
+    )
+    # configuration canonicalises the module path to the spec's name and registers it
+    assert cfg.connector == "lazy_test" and "lazy_test" in base.connector_names()
+    with pytest.raises(AFDConfigError, match=r"connector_extra_config.lanes must be an integer in 1\.\.8; got 9"):
+        AFDConfig.from_dict({"role": "attention", "connector": "afd_ext.lazy_connector",
+                             "connector_extra_config": {"lanes": 9}})
     ctx = _ctx()
     object.__setattr__(ctx.config, "connector", "lazy_test")
     att = base.create_connector(ctx, "attention")
-    assert type(att).__name__ == "A" and "afd_lazy_connector" in sys.modules
+    assert type(att).__name__ == "A"
     assert type(base.create_ffn_connector(ctx)).__name__ == "F"
     with pytest.raises(ValueError, match="role must be one of"):
         base.create_connector(ctx, "router")
 
 
+def test_a_module_path_without_a_spec_is_refused(tmp_path, monkeypatch):
+    from vllm.afd import connector_spec
+    from vllm.config.afd import AFDConfig, AFDConfigError
+
+    (tmp_path / "afd_ext2").mkdir()
+    (tmp_path / "afd_ext2" / "__init__.py").write_text("")
+    (tmp_path / "afd_ext2" / "no_spec.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(connector_spec, "SPECS", dict(connector_spec.SPECS))
+    with pytest.raises(AFDConfigError, match="afd_ext2.no_spec' defines no AFD_CONNECTOR_SPEC"):
+        AFDConfig.from_dict({"role": "ffn", "connector": "afd_ext2.no_spec"})
+    with pytest.raises(AFDConfigError, match="'afd_missing.mod' cannot be imported"):
+        AFDConfig.from_dict({"role": "ffn", "connector": "afd_missing.mod"})
+
+
 def test_unknown_connector_names_the_available_ones():
-    with pytest.raises(ValueError, match=r"no AFD connector named 'nope' \(available: .*gloo"):
+    with pytest.raises(ValueError, match=r"unknown connector 'nope'; known: .*gloo"):
         base.connector_classes("nope")
 
 
 def test_builtin_connectors_load_lazily_by_module_path():
     assert {"gloo", "nccl", "cuda_ipc"} <= set(base.connector_names())
-    assert base._LAZY["gloo"][0] == "vllm.distributed.afd.tcp"
+    from vllm.afd.connector_spec import SPECS
+
+    assert SPECS["gloo"].module == "vllm.distributed.afd.tcp"
     att_cls, ffn_cls = base.connector_classes("gloo")
     assert (att_cls.__name__, ffn_cls.__name__) == ("TCPAttentionConnector", "TCPFFNConnector")
 

@@ -70,7 +70,10 @@ def test_module_needs_no_vllm():
     configuration."""
     tree = ast.parse(AFD_PY.read_text())
     assert not [m for m in imported_modules(tree) if m.split(".")[0] in ("torch", "vllm")
-                and m != "vllm.afd.architectures"]
+                and m not in ("vllm.afd.architectures", "vllm.afd", "vllm.afd.connector_spec")]
+    specs = AFD_PY.parents[1] / "afd" / "connector_spec.py"
+    assert not [m for m in imported_modules(ast.parse(specs.read_text()))
+                if m.split(".")[0] in ("torch", "vllm")]
     top = [m for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
            for m in imported_modules(n)]
     assert "vllm.afd.architectures" not in top
@@ -177,14 +180,14 @@ BAD = [
      r"connector_extra_config\.ffn_cuda_graphs must be true or false; got 'yes'"),
     ({"role": "attention", "connector_extra_config": {"early_step_control": 1}},
      r"connector_extra_config\.early_step_control must be true or false; got 1"),
-    ({"role": "ffn", "connector_extra_config": {"ffn_hot_poll": "no"}},
+    ({"role": "ffn", "connector": "cuda_ipc", "connector_extra_config": {"ffn_hot_poll": "no"}},
      r"connector_extra_config\.ffn_hot_poll must be true or false; got 'no'"),
     ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graph_max_tokens": -1}},
-     r"connector_extra_config\.ffn_cuda_graph_max_tokens must be a non-negative integer; got -1"),
+     r"connector_extra_config\.ffn_cuda_graph_max_tokens must be an integer in 0\.\.\d+; got -1"),
     ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graph_max_count": 2.5}},
-     r"connector_extra_config\.ffn_cuda_graph_max_count must be a non-negative integer; got 2\.5"),
+     r"connector_extra_config\.ffn_cuda_graph_max_count must be an integer in 0\.\.4096; got 2\.5"),
     ({"role": "ffn", "connector_extra_config": {"ffn_cuda_graph_window": "8"}},
-     r"connector_extra_config\.ffn_cuda_graph_window must be a non-negative integer; got '8'"),
+     r"connector_extra_config\.ffn_cuda_graph_window must be an integer in 0\.\.\d+; got '8'"),
     ({"role": "ffn", "connector": None}, r"'connector' must be a string; got NoneType"),
     ({"role": "ffn", "host": ""}, r"'host' must not be empty"),
     ({"role": "ffn", "host": "   "}, r"'host' must not be empty"),
@@ -256,7 +259,7 @@ BAD = [
     ),
     (
         {"role": "ffn", "connector_extra_config": {"secret_env": 5}},
-        r"connector_extra_config\.secret_env must be the name of an environment variable",
+        r"connector_extra_config\.secret_env must be a non-empty string; got 5",
     ),
     (
         {"role": "ffn", "rank": 1},
@@ -285,6 +288,44 @@ def _id(case):
 @pytest.mark.parametrize("raw, message", BAD, ids=[_id(c) for c in BAD])
 def test_bad_config(raw, message):
     with pytest.raises(AFDConfigError, match=r"^--afd-config: .*" + message):
+        AFDConfig.from_dict(raw)
+
+
+# Numbers of the right type but outside their bounds: before, each was accepted and then
+# crashed or misbehaved (timeout_s 1e10: OverflowError in settimeout at connect; 1e-7: the
+# heartbeat waited 25 ns between beats; 10**9 attention ranks: rank lists of that size).
+OUT_OF_BOUNDS = [
+    ({"role": "ffn", "timeout_s": 1e10}, r"'timeout_s' must be between 0\.5 and 86400 seconds; got 1e\+10"),
+    ({"role": "ffn", "timeout_s": 1e-7}, r"'timeout_s' must be between 0\.5 and 86400 seconds; got 1e-07"),
+    ({"role": "ffn", "timeout_s": 0.49}, r"'timeout_s' must be between 0\.5 and 86400 seconds; got 0\.49"),
+    ({"role": "ffn", "timeout_s": 86401}, r"'timeout_s' must be between .*; got 86401"),
+    ({"role": "attention", "rejoin_timeout_s": 1e300},
+     r"'rejoin_timeout_s' must be at most 86400 seconds \(0 turns rejoining off\); got 1e\+300"),
+    ({"role": "attention", "rejoin_timeout_s": 86400.5}, r"'rejoin_timeout_s' must be at most 86400"),
+    ({"role": "ffn", "num_attention_ranks": 10**9},
+     r"'num_attention_ranks' must be at most 1024; got 1000000000"),
+    ({"role": "ffn", "num_attention_ranks": 2048, "num_ffn_ranks": 2048, "port": 1000},
+     r"'num_attention_ranks' must be at most 1024; got 2048"),
+    ({"role": "ffn", "num_attention_ranks": 1025}, r"'num_attention_ranks' must be at most 1024"),
+    ({"role": "attention", "dbo_min_tokens": 2**31}, r"'dbo_min_tokens' must be at most 2147483647"),
+    ({"role": "attention", "dbo_min_tokens": 10**30}, r"'dbo_min_tokens' must be at most 2147483647"),
+]
+
+
+@pytest.mark.parametrize("raw, message", OUT_OF_BOUNDS, ids=[_id(c) for c in OUT_OF_BOUNDS])
+def test_numbers_out_of_bounds_are_refused_naming_the_key(raw, message):
+    with pytest.raises(AFDConfigError, match=r"^--afd-config: .*" + message):
+        AFDConfig.from_dict(raw)
+
+
+def test_numbers_at_their_bounds_are_accepted():
+    for raw in (
+        {"role": "ffn", "timeout_s": 0.5, "rejoin_timeout_s": 86400},
+        {"role": "ffn", "timeout_s": 86400, "rejoin_timeout_s": 0},
+        {"role": "ffn", "num_attention_ranks": 1024, "num_ffn_ranks": 1024, "port": 1000,
+         "rank": 1023},
+        {"role": "attention", "dbo_min_tokens": 2**31 - 1, "port": 65535},
+    ):
         AFDConfig.from_dict(raw)
 
 
@@ -513,7 +554,7 @@ def test_verify_keeps_graphs_with_cuda_ipc():
 
 @pytest.mark.parametrize("role", ["attention", "ffn"])
 def test_verify_refuses_cuda_ipc_off_cuda(role):
-    with pytest.raises(AFDConfigError, match=r"connector 'cuda_ipc' .* runs on 'cpu'.* 'gloo'"):
+    with pytest.raises(AFDConfigError, match=r"connector 'cuda_ipc' runs on cuda .* this engine runs on 'cpu'.* gloo"):
         cfg(role=role, connector="ipc").verify_with_vllm_config(_gpu_vllm(device_type="cpu"))
 
 
@@ -562,10 +603,10 @@ def test_verify_dbo_refused_on_the_ffn_role():
         (_dbo_vllm(dp=2), "gloo", r"--enable-dbo on the attention role needs data_parallel_size "
                                   r"1 \(got 2\)"),
         (_dbo_vllm(device_type="cuda"), "nccl",
-         r"not supported with connector 'nccl'.*gloo, cuda_ipc"),
-        (_dbo_vllm(device_type="cuda"), "gloo", r"--enable-dbo on 'cuda' needs connector "
-                                                r"'cuda_ipc' \(got 'gloo'\)"),
-        (_dbo_vllm(device_type="xpu"), "gloo", r"--enable-dbo on 'xpu' is not supported yet"),
+         r"not supported with connector 'nccl' .*gloo on cpu, cuda_ipc on cuda"),
+        (_dbo_vllm(device_type="cuda"), "gloo", r"--enable-dbo on 'cuda' is not supported "
+                                                r"with connector 'gloo'.*cuda_ipc on cuda"),
+        (_dbo_vllm(device_type="xpu"), "gloo", r"--enable-dbo on 'xpu' is not supported"),
         (_dbo_vllm(device_type="cuda", num_ubatches=3), "cuda_ipc",
          r"cuda_ipc connector serves at most 2 micro-batches per step.*asks for 3"),
     ],
@@ -602,7 +643,7 @@ def test_ffn_pass_tokens_below_one_step_refused():
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "512"])
 def test_ffn_max_tokens_per_pass_must_be_a_positive_integer(bad):
-    with pytest.raises(AFDConfigError, match="ffn_max_tokens_per_pass must be a positive integer"):
+    with pytest.raises(AFDConfigError, match=r"ffn_max_tokens_per_pass must be an integer in 1\.\.\d+; got"):
         _ffn(per_pass=bad)
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 OVERLAY = Path(__file__).resolve().parents[2] / "overlay"
 PACKAGES = ("vllm/afd", "vllm/distributed/afd")
 TRANSPORTS = "vllm.distributed.afd"
-# What a connector may use of vllm.afd: the wire format, metrics, failure records and the
-# role helpers (vllm.afd.roles); never a role (its runners, its model split, its engine).
+# What a connector may use of vllm.afd: the wire format, metrics, failure records, the
+# connector spec records and the role helpers (vllm.afd.roles); never a role (its runners,
+# its model split, its engine).
 TRANSPORT_MAY_IMPORT = {"vllm.afd.protocol", "vllm.afd.metrics", "vllm.afd.failure",
-                        "vllm.afd.roles"}  # fmt: skip
+                        "vllm.afd.roles", "vllm.afd.connector_spec"}  # fmt: skip
 
 
 def module_files() -> dict[str, Path]:

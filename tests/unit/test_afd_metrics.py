@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -185,6 +187,36 @@ def test_writer_thread_refreshes_and_close_removes_the_file(mdir):
     assert not path.exists()
 
 
+def test_a_write_in_flight_does_not_bring_back_the_file_close_removed(mdir):
+    """The writer thread takes the snapshot's name, builds the snapshot, writes: a close()
+    in between removed the file, and the write then put it back - a snapshot left behind
+    by a process that is gone (write() also read the name twice: a close() between the two
+    reads made it write a file named None)."""
+    st = metrics.AFDStats()
+    st.start("attention", 0, dict)
+    path = mdir / f"attention-0-{os.getpid()}.json"
+    assert path.exists()
+    building, release = threading.Event(), threading.Event()
+    real = st.snapshot
+
+    def slow_snapshot():
+        building.set()
+        release.wait(10)
+        return real()
+
+    st.snapshot = slow_snapshot
+    writer = threading.Thread(target=st.write, daemon=True)
+    writer.start()
+    assert building.wait(10)
+    st.close()
+    assert not path.exists()
+    release.set()
+    writer.join(10)
+    assert not writer.is_alive()
+    time.sleep(2 * metrics.WRITE_INTERVAL_S)  # the writer thread's own last round too
+    assert sorted(os.listdir(mdir)) == [], "a write in flight brought the snapshot back"
+
+
 def test_only_own_live_descendants_are_read(mdir):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -207,7 +239,7 @@ def test_only_own_live_descendants_are_read(mdir):
         child.wait()
 
 
-def test_a_snapshot_of_a_reused_pid_is_not_read(mdir):
+def test_a_snapshot_of_a_reused_pid_is_not_read(mdir, monkeypatch):
     """A killed process leaves its snapshot; a new process (here: this one, a descendant of
     the reader) that gets the same pid must not inherit it - an attention rank's outage in
     such a file made a restarted server's /health answer 503 while it served."""
@@ -217,11 +249,61 @@ def test_a_snapshot_of_a_reused_pid_is_not_read(mdir):
     stale = {"pid": me, "start": start - 1, "role": "attention", "rank": 0,
              "time": time.time(), "counters": {"steps": 1}, "outage_seconds": 5.4}
     (mdir / f"attention-0-{me}.json").write_text(json.dumps(stale))
+    monkeypatch.setattr(metrics, "HEALTH_CACHE_S", 0.0)  # each call reads the files
     assert metrics.read_snapshots() == []
     assert metrics.health_problem() is None
     (mdir / f"attention-0-{me}.json").write_text(json.dumps({**stale, "start": start}))
     assert [s["pid"] for s in metrics.read_snapshots()] == [me]
     assert "attention rank 0 (5.4 s)" in metrics.health_problem()
+
+
+def test_stale_files_are_pruned_on_write_and_health_reads_are_cached(mdir, monkeypatch):
+    """10,000 stale files (snapshots of gone processes, which a SIGKILL leaves; failure
+    records over an hour old, never removed before; a snapshot whose pid now names another
+    process; temp files of writes that never finished): the next write prunes them, and
+    /health's health_problem() reads the directory at most once per HEALTH_CACHE_S. Before:
+    nothing was removed, and every /health call read every file on the server's event loop
+    (151 ms with 10,000 files there), AFD server or not."""
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    old = time.time() - 2 * 3600  # records are read an hour back (failure.MAX_AGE_S)
+    for i in range(5000):  # pids above pid_max: never a live process
+        write_snapshot(mdir, f"attention-{i}-{pid_max + 1 + i}.json", pid=pid_max + 1 + i)
+    for i in range(4990):
+        write_record(mdir, f"ffn-{i}-{pid_max + 1 + i}.error", "lost AFD peer")
+        os.utime(mdir / f"ffn-{i}-{pid_max + 1 + i}.error", (old, old))
+    for i in range(9):
+        (mdir / f".ffn-0-1.json.{i:016x}.tmp").write_text("{")
+        os.utime(mdir / f".ffn-0-1.json.{i:016x}.tmp", (old, old))
+    parent = os.getppid()  # live, but not the process that wrote this one
+    write_snapshot(mdir, f"ffn-0-{parent}.json", pid=parent,
+                   start=metrics.process_start(parent) - 1)  # fmt: skip
+    assert len(os.listdir(mdir)) == 10_000
+    write_record(mdir, "fresh.error", "lost AFD peer FFN rank 0")  # kept: recent
+    reads = []
+    real_read = metrics.read_private_files
+    monkeypatch.setattr(metrics, "read_private_files",
+                        lambda suffix: reads.append(suffix) or real_read(suffix))  # fmt: skip
+    t0 = time.perf_counter()
+    assert metrics.health_problem() is None
+    first = time.perf_counter() - t0
+    for _ in range(50):
+        assert metrics.health_problem() is None
+    assert len(reads) == 1, f"{len(reads)} reads of the directory for 51 /health calls"
+    # this process's first write
+    monkeypatch.setattr(metrics, "_next_prune", 0.0, raising=False)
+    st = metrics.AFDStats()
+    st.start("attention", 0, dict)
+    try:
+        left = sorted(os.listdir(mdir))
+        assert left == [f"attention-0-{os.getpid()}.json", "fresh.error"], (len(left), left[:3])
+        monkeypatch.setattr(metrics, "HEALTH_CACHE_S", 0.0)
+        t0 = time.perf_counter()
+        assert metrics.health_problem() is None
+        pruned = time.perf_counter() - t0
+    finally:
+        st.close()
+    print(f"health_problem(): {first * 1e3:.1f} ms with 10,000 stale files, "
+          f"{pruned * 1e3:.2f} ms after the prune")
 
 
 def test_newest_snapshot_per_role_and_rank(mdir):
@@ -261,6 +343,32 @@ def test_failure_record_reaches_this_servers_engine_dead_error(mdir):
     msg = str(EngineDeadError())
     assert msg.startswith("EngineCore encountered an issue.")
     assert msg.endswith(" AFD: lost AFD peer FFN rank 0 at 10.0.0.2:29600")
+
+
+def test_failure_record_reaches_an_api_server_that_is_pid_1(mdir):
+    """In a container the API server is often pid 1 (the entrypoint). Run here in a pid
+    namespace of its own (``unshare --pid --fork --mount-proc``, as root), where the
+    process is pid 1 and a child of it records a failure: the lookup finds it. Before, the
+    recorded ancestry stopped short of pid 1, so engine_dead_detail() was '' and clients no
+    longer learnt which peer was lost."""
+    assert shutil.which("unshare"), "unshare (util-linux) is needed for this test"
+    record = ("import overlay_import; overlay_import.install(); from vllm.afd import failure; "
+              "failure.record('attention', 0, 'lost AFD peer FFN rank 0 at 10.0.0.2:29600')")
+    api_server = (
+        "import os, subprocess, sys\n"
+        "import overlay_import; overlay_import.install()\n"
+        "from vllm.afd import failure\n"
+        "print('PID', os.getpid())\n"
+        f"subprocess.run([sys.executable, '-c', {record!r}], check=True)\n"
+        "print('DETAIL', repr(failure.engine_dead_detail()))\n"
+    )
+    out = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", api_server],
+        env=overlay_env(), capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert out.returncode == 0, f"the pid-namespace run failed:\n{out.stdout}\n{out.stderr}"
+    assert "PID 1\n" in out.stdout, out.stdout  # it really ran as pid 1
+    assert "DETAIL ' AFD: lost AFD peer FFN rank 0 at 10.0.0.2:29600'" in out.stdout, out.stdout
 
 
 def test_failure_records_of_other_servers_and_old_ones_are_ignored(mdir):

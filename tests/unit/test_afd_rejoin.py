@@ -18,7 +18,7 @@ from tcp_lib import HIDDEN, HOST, MAX_TOKENS, Bg, fingerprint, wait_until
 
 import serve_util as su
 from serve_util import free_port
-from vllm.afd import metrics, rejoin
+from vllm.afd import failure, metrics, rejoin
 from vllm.afd.attention import AttentionClient
 from vllm.afd.protocol import AFDHandshakeError, AFDPeerError
 from vllm.config.afd import AFDConfig, AFDConfigError
@@ -232,6 +232,88 @@ def test_reconnect_gives_up_at_the_deadline(connected):
     assert not att.is_up()
 
 
+class RacyClosed(threading.Event):
+    """The connector's closed flag; ``hook`` runs once at the next is_set() (after the
+    flag was read): a close() that lands right after reconnect checked it."""
+
+    hook = None
+
+    def is_set(self) -> bool:
+        was = super().is_set()
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return was
+
+
+def test_close_during_a_reconnect_leaves_no_live_session(ffns, attention):
+    """close() (the engine stops) while a reconnect has its new connection: the connector
+    ends closed with no session, and the FFN rank frees the slot at once (goodbye or EOF).
+    Before: reconnect checked the closed flag, then installed the connection under the
+    lock; a close() between the two found no socket to close, and the closed connector
+    kept a live session (no heartbeat any more: the FFN rank kept the rank's slot for
+    timeout_s, refusing its restarted server as 'already connected')."""
+    port = free_port()
+    first = ffns(port, layers=1, timeout=30.0)
+    att = attention(port, rejoin_timeout_s=0, timeout=30.0)
+    att._closed = racy = RacyClosed()
+    Bg(att.connect).get()
+    first.close()
+    _lose(att)
+    second = ffns(port, layers=1, timeout=30.0)
+    closing: list[Bg] = []
+
+    def close_now():
+        closing.append(Bg(att.close))
+        closing[0].join(1.0)  # done at once unless it waits for the connector's lock
+
+    racy.hook = close_now
+    with contextlib.suppress(AFDPeerError):
+        att.reconnect(time.monotonic() + 10)
+    closing[0].get(10)
+    assert att.sock is None, "a closed connector holds a live session"
+    wait_until(lambda: 0 not in second.conn.peers, 5.0, "the FFN rank freed the rank's slot")
+
+
+def test_close_during_a_move_back_home_leaves_no_live_session(ffns, attention, monkeypatch):
+    """The same race on the way back home (failover): close() lands while the heartbeat
+    thread has its new connection to the home FFN rank. Before: the move installed it in
+    the closed connector."""
+    port = su.free_ports(2, consecutive=True)[0]
+    topo = dict(m=2, n=2, timeout=30.0, extra={"ffn_failover": True})
+    first = ffns(port, layers=1, rank=0, **topo)
+    ffns(port, layers=1, rank=1, **topo)
+    att = attention(port, rejoin_timeout_s=20, **topo)
+    Bg(att.connect).get()
+    client = client_for(att, 1)
+    first.close()
+    x = torch.randn(2, HIDDEN)
+    assert torch.equal(client.exchange(x, 0), 2 * x)  # failed over to FFN rank 1
+    real_dialer = att._dialer
+    closing: list[Bg] = []
+
+    def dialer(ffn_rank):
+        home = real_dialer(ffn_rank)
+        real_establish = home._establish
+
+        def establish(*args, **kwargs):
+            sock = real_establish(*args, **kwargs)
+            closing.append(Bg(att.close))
+            closing[0].join(1.0)
+            return sock
+
+        home._establish = establish
+        return home
+
+    monkeypatch.setattr(att, "_dialer", dialer)
+    home = ffns(port, layers=1, rank=0, **topo)
+    wait_until(lambda: closing, 8.0, "a try home")
+    closing[0].get(10)
+    time.sleep(0.5)  # the heartbeat thread's move, if any, is done
+    assert att.sock is None, "a closed connector holds a live session"
+    wait_until(lambda: 0 not in home.conn.peers, 5.0, "the home FFN rank freed the slot")
+
+
 def test_reconnect_to_another_deployment_fails_at_once(ffns, connected):
     """A restarted FFN rank of another checkpoint: the re-handshake refuses it at once,
     not at the deadline."""
@@ -278,6 +360,105 @@ def test_idle_loss_rejoins_in_the_background(ffns, connected):
     second = ffns(port, layers=1)
     wait_until(att.is_up, 8.0, "the background rejoin")
     wait_until(lambda: 0 in second.conn.peers, 5.0, "the FFN rank accepted the rank")
+
+
+def test_an_idle_loss_past_the_window_ends_the_engine_with_the_named_error(
+    ffns, connected, tmp_path, monkeypatch
+):
+    """Lost between steps and still away when rejoin_timeout_s has passed: the background
+    rejoin gives up at the window's end with the error a held step gets, records it for the
+    clients' error (vllm.afd.failure) and calls on_failure, which the attention role sets to
+    end the process. Before: it gave up silently - no record, the engine left waiting for
+    good, /health 503 "held until it rejoins", and an FFN rank restarted later never joined
+    (it ended at its own start-up timeout_s, again and again). An FFN rank started after the
+    window is not joined now either: the next step fails at once with the same error."""
+    mdir = tmp_path / "afd-metrics"
+    mdir.mkdir(mode=0o700)
+    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(mdir))
+    port, first, att = connected(1, 1.0)
+    ended: list[tuple[float, str]] = []
+    done = threading.Event()
+    att.on_failure = lambda msg: (ended.append((time.monotonic(), msg)), done.set())
+    client = client_for(att, 1)
+    first.close()
+    _lose(att)
+    lost = att.lost_at()
+    assert done.wait(6.0), "the rejoin window passed and nothing ended (no bounded outcome)"
+    took = ended[0][0] - lost
+    print(f"window 1 s: the engine is ended {took:.2f} s after the loss")
+    assert 0.95 <= took < 2.5, took
+    msg = ended[0][1]
+    assert msg.startswith(f"lost AFD peer FFN rank 0 at {HOST}:{port}"), msg
+    assert "; it did not come back within rejoin_timeout_s=1 (could not reach AFD FFN" in msg
+    assert failure.failure_of_this_server() == failure.clean_message(msg)
+    second = ffns(port, layers=1)  # back after the window
+    t0 = time.monotonic()
+    with pytest.raises(AFDPeerError, match="did not come back within rejoin_timeout_s=1"):
+        client.exchange(torch.randn(2, HIDDEN), 0)
+    assert time.monotonic() - t0 < 1.0
+    time.sleep(1.0)  # two heartbeats: no rejoin is tried any more
+    assert 0 not in second.conn.peers and not att.is_up()
+    assert len(ended) == 1
+
+
+def test_the_attention_role_has_a_give_up_end_the_process(monkeypatch, tmp_path):
+    """AttentionClient.connect hands its connector failure.exit_now as on_failure before
+    the connection (and its heartbeat) starts: a give-up between steps ends the worker
+    process (status 1), whose engine then dies, as in a step."""
+    seen = {}
+
+    class Conn:
+        ffn_rank = 0
+
+        def connect(self):
+            seen["on_failure"] = getattr(self, "on_failure", None)
+            raise AFDPeerError("the test stops here")
+
+        def is_up(self):
+            return False
+
+        def lost_at(self):
+            return None
+
+    import vllm.afd.attention as attention_role
+
+    monkeypatch.setattr(attention_role, "create_attention_connector", lambda ctx: Conn())
+    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(tmp_path))
+    tmp_path.chmod(0o700)
+    stats = metrics.AFDStats()
+    monkeypatch.setattr(metrics, "STATS", stats)
+    vllm_config = types.SimpleNamespace(
+        afd_config=AFDConfig.from_dict({"role": "attention"}),
+        parallel_config=types.SimpleNamespace(data_parallel_rank=0),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
+        device_config=types.SimpleNamespace(device=torch.device("cpu")),
+    )
+    try:
+        with pytest.raises(AFDPeerError, match="the test stops here"):
+            AttentionClient().connect(vllm_config, fingerprint(), None)
+    finally:
+        stats.close()
+    assert seen["on_failure"] is failure.exit_now
+
+
+def test_an_idle_rejoin_refused_by_another_deployment_ends_the_engine(
+    ffns, connected, tmp_path, monkeypatch
+):
+    """What comes back while idle is of another deployment (another checkpoint): refused at
+    the re-handshake and the engine is ended at once with that error, as in a step; not
+    retried every heartbeat until the window passes."""
+    monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(tmp_path))
+    tmp_path.chmod(0o700)
+    port, first, att = connected(1, 30.0)
+    ended: list[str] = []
+    done = threading.Event()
+    att.on_failure = lambda msg: (ended.append(msg), done.set())
+    first.close()
+    _lose(att)
+    ffns(port, layers=1, checkpoint="ffffffffffffffffffffffff (other)")
+    assert done.wait(8.0), "a refused rejoin did not end the engine"
+    assert "fingerprint mismatch on 'checkpoint'" in ended[0]
+    assert ended[0].startswith(f"lost AFD peer FFN rank 0 at {HOST}:{port}")
 
 
 # ------------------------------------------------------------ the step re-run (client)
@@ -407,6 +588,51 @@ def test_a_failed_over_rank_names_its_replica_while_it_tries_home(ffns, attentio
     assert seen == {(1, ("ffn_rank_1",))}
     assert torch.equal(client.exchange(x, 0), 2 * x)
     wait_until(lambda: len(other.steps) == 2, 5.0, "both steps served by FFN rank 1")
+
+
+def test_a_home_ffn_rank_of_another_checkpoint_is_reported_and_backed_off(
+    ffns, attention, monkeypatch
+):
+    """Failed over to FFN rank 1, the rank's home FFN rank comes back serving another
+    checkpoint: each try home is refused. It is counted (vllm:afd_home_refusals_total),
+    logged once at WARNING with the reason, and tried after a doubling wait. Before: the
+    refusal was swallowed - no line on this side, no metric, a try every second (and an
+    ERROR every second on the home FFN rank) while the guest replica carried double load."""
+    lines: list[tuple[str, str]] = []
+
+    def recorder(level):
+        return lambda msg, *a, **k: lines.append((level, msg % a if a else msg))
+
+    for level in ("warning", "error"):
+        monkeypatch.setattr(tcp.logger, level, recorder(level))
+    port = su.free_ports(2, consecutive=True)[0]
+    topo = dict(m=2, n=2, timeout=30.0, extra={"ffn_failover": True})
+    first = ffns(port, layers=1, rank=0, **topo)
+    ffns(port, layers=1, rank=1, **topo)
+    att = attention(port, rejoin_timeout_s=20, **topo)
+    Bg(att.connect).get()
+    client = client_for(att, 1)
+    x = torch.randn(2, HIDDEN)
+    first.close()
+    assert torch.equal(client.exchange(x, 0), 2 * x)  # failed over to FFN rank 1
+    assert att.ffn_rank == 1
+    before = metrics.STATS.counters.get("home_refusals", 0)
+    ffns(port, layers=1, rank=0, checkpoint="ffffffffffffffffffffffff (other)", **topo)
+    time.sleep(6.5)
+    refusals = metrics.STATS.counters.get("home_refusals", 0) - before
+    refused_at_home = [m for lvl, m in lines if lvl == "error" and "refused attention hello" in m]
+    told = [m for lvl, m in lines if lvl == "warning" and "stays on FFN rank 1" in m]
+    print(f"6.5 s: {len(refused_at_home)} tries refused by the home FFN rank, {refusals} "
+          f"counted; warnings: {told}")
+    assert len(told) == 1, told
+    assert "its own FFN rank 0 at" in told[0] and "fingerprint mismatch on 'checkpoint'" in told[0]
+    # tries after 1 s, then waits of 2 s and 4 s: 2 or 3 in 6.5 s (one a second before)
+    assert 1 <= refusals <= 3, refusals
+    assert len(refused_at_home) == refusals
+    assert att.ffn_rank == 1 and torch.equal(client.exchange(x, 0), 2 * x)  # still served
+    fams = {f.name: f for f in metrics.collect_families([metrics.STATS.snapshot()
+                                                         | {"role": "attention"}])}
+    assert fams["vllm:afd_home_refusals"].samples[0].value >= refusals
 
 
 def test_without_failover_a_rank_waits_for_its_own_ffn_rank(attention):

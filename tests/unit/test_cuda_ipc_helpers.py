@@ -35,22 +35,24 @@ def test_registered_under_its_name_and_alias():
     assert ipc.IPCAttentionConnector.graph_capable and ipc.IPCFFNConnector.graph_capable
 
 
-def test_graph_and_dbo_capability_agree_with_the_config_lists():
-    from vllm.config.afd import DBO_CONNECTORS, GRAPH_CAPABLE_CONNECTORS
+def test_graph_and_dbo_capability_agree_with_the_spec_records():
+    from vllm.afd.connector_spec import SPECS, resolve
     from vllm.distributed.afd import base, tcp
 
     assert {"gloo", "nccl", "cuda_ipc"} <= set(base.connector_names())
     for name in base.connector_names():
         for cls in base.connector_classes(name):
-            assert cls.graph_capable == (name in GRAPH_CAPABLE_CONNECTORS), (name, cls)
-            assert cls.dbo_capable == (name in DBO_CONNECTORS), (name, cls)
-    with pytest.raises(ValueError, match="graph_capable=True but 'not_listed' is not in"):
+            assert cls.graph_capable == SPECS[name].graph_capable, (name, cls)
+            assert cls.dbo_capable == SPECS[name].dbo_capable, (name, cls)
+    # classes that disagree with the record they register under are refused
+    with pytest.raises(ValueError, match=r"graph_capable=True but its spec record .* says False"):
+        base.register_connector("gloo", ipc.IPCAttentionConnector, ipc.IPCFFNConnector)
+    with pytest.raises(ValueError, match=r"dbo_capable=True but its spec record .* says False"):
+        base.register_connector("nccl", tcp.TCPAttentionConnector, tcp.TCPFFNConnector)
+    with pytest.raises(ValueError, match="unknown connector 'not_listed'"):
         base.register_connector("not_listed", ipc.IPCAttentionConnector, ipc.IPCFFNConnector)
-    # TCP classes serve micro-batches: a name outside DBO_CONNECTORS is refused
-    with pytest.raises(ValueError, match="dbo_capable=True but 'tcp_copy' is not in"):
-        base.register_connector("tcp_copy", tcp.TCPAttentionConnector, tcp.TCPFFNConnector)
-    assert "not_listed" not in base.connector_names()
-    assert "tcp_copy" not in base.connector_names()
+    assert base.connector_classes("gloo")[0] is tcp.TCPAttentionConnector
+    assert resolve("TCP") is SPECS["gloo"]
 
 
 def test_inbox_holds_hidden_states_and_router_logits_of_the_largest_step():

@@ -87,7 +87,7 @@ def handshake(att: ipc.IPCAttentionConnector, ffn: ipc.IPCFFNConnector, again: b
         deadline = time.monotonic() + 5
         if again:
             # tcp's dial and hello stand aside; the rest of the rejoin is the real one
-            att._establish = lambda d, backoff, rejoining: (att._remap(here, d), here)[1]
+            att._establish = lambda d, backoff, rejoining: (att._remap(here, d), (here, None))[1]
             att.reconnect(deadline)
         else:
             with here:

@@ -205,3 +205,55 @@ def test_a_rank_lost_in_its_micro_batched_step_leaves_the_plain_step_served():
     # rank 0's first micro-batch was served before its second control failed
     assert conn.sent == [(0, 10.0), (1, 20.0)]
     assert runner._lost == {0} and runner.peers_lost == 1
+
+
+def test_the_serve_loop_serves_on_after_a_rank_breaks_the_protocol(net):
+    """The serve loop itself (FFNModelRunner._serve in its thread, as the FFN server runs
+    it): rank 1 breaks the protocol (a step id repeated), then, restarted, again (a step
+    opened by its second micro-batch); each time only rank 1's session ends, the loop keeps
+    running (no error, no on_fatal) and rank 0's steps get their right outputs.
+    docs/security.md and docs/operations.md said a protocol break (or a lost attention
+    rank) ended the FFN."""
+    import threading
+
+    port, ffn, (att0, att1) = two_ranks(net, timeout=30.0)
+    runner = make_runner(ffn)
+    runner._stop = threading.Event()
+    runner.group, runner.error, runner.on_fatal = None, None, []
+    runner._profile_lock, runner._profile_local = threading.Lock(), []
+    runner._settle = lambda: None
+    fatal: list[str] = []
+    runner.on_fatal.append(fatal.append)
+    loop = threading.Thread(target=runner._serve, daemon=True)
+    loop.start()
+
+    def step(att, step_id):
+        att.begin_step(step_id, 2)
+        x = torch.randn(2, HIDDEN)
+        att.send(x)
+        y = att.recv(torch.empty(2, HIDDEN))
+        att.send(y)
+        out = att.recv(torch.empty(2, HIDDEN))
+        att.end_step()
+        assert torch.allclose(y, x * 10) and torch.allclose(out, x * 100 + 1)
+
+    try:
+        step(att0, 1)
+        step(att1, 1)
+        with att1._lock:  # step id 1 again: the stream is out of step
+            att1.sock.sendall(P.Control(P.MSG_STEP, 1, 2).pack())
+        wait_until(lambda: 1 not in ffn.peers, 5.0, "rank 1 dropped")
+        assert "broke the protocol: step id 1 after step 1" in ffn.lost[1]
+        step(att0, 2)
+        again = attention(net, port, 1, timeout=30.0)  # its server restarted
+        Bg(again.connect).get()
+        wait_until(lambda: 1 in ffn.peers, 5.0, "rank 1 taken again")
+        with again._lock:  # a step opened by its second micro-batch
+            again.sock.sendall(P.Control(P.MSG_STEP, 7, 2, P.ubatch_flags(1, 2)).pack())
+        wait_until(lambda: 1 not in ffn.peers, 5.0, "rank 1 dropped again")
+        assert "step 7 opened with micro-batch 1 of 2" in ffn.lost[1]
+        step(att0, 3)
+        assert loop.is_alive() and runner.error is None and fatal == []
+    finally:
+        runner._stop.set()
+        loop.join(5)

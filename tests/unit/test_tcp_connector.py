@@ -61,6 +61,44 @@ def test_rank_layout_ports():
     assert ffn.addr == (HOST, port + 1)
 
 
+def test_ffn_ranks_at_their_own_addresses_are_dialled_by_name(net):
+    """ffn_addresses: FFN rank 0 listens on 127.0.0.2, FFN rank 1 on 127.0.0.1 (two hosts'
+    worth of loopback addresses), and attention rank 1 reaches its FFN rank by DNS name."""
+    p0, p1 = free_port(), free_port()
+    addresses = [f"127.0.0.2:{p0}", f"localhost:{p1}"]
+    kw = dict(m=2, n=2, addresses=addresses)
+    ffn0 = net.ffn(p0, rank=0, host="127.0.0.2", **kw)
+    ffn1 = net.ffn(p1, rank=1, host="127.0.0.1", **kw)
+    assert ffn0.addr == ("127.0.0.2", p0) and ffn1.addr == ("127.0.0.1", p1)
+    ffn0.start()
+    ffn1.start()
+    att0 = net.attention(p0, rank=0, **kw)
+    att1 = net.attention(p0, rank=1, **kw)
+    assert att1.peer == f"FFN rank 1 at localhost:{p1}"
+    Bg(att0.connect).get()
+    Bg(att1.connect).get()
+    for att, ffn, rank in ((att0, ffn0, 0), (att1, ffn1, 1)):
+        wait_until(lambda f=ffn, r=rank: r in f.peers)
+        att.begin_step(1, 3)
+        (peer,) = wait_peers(ffn, [rank]).values()
+        x = torch.randn(3, HIDDEN)
+        att.send(x)
+        buf = torch.empty(3, HIDDEN)
+        ffn.recv(peer, buf)
+        ffn.send(peer, buf + rank)
+        out = torch.empty(3, HIDDEN)
+        assert torch.equal(att.recv(out), x + rank)
+        att.end_step()
+
+
+def test_an_unreachable_ffn_address_is_named(net):
+    port = free_port()
+    att = net.attention(port, addresses=[f"no-such-host.invalid:{port}"], timeout=0.5)
+    with pytest.raises(P.AFDPeerError, match=rf"FFN rank 0 at no-such-host\.invalid:{port} "
+                                             r"within timeout_s=0\.5.*ffn_addresses"):
+        att.connect()
+
+
 # ------------------------------------------------------------------- (a) 1A1F
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_1a1f_handshake_step_goodbye(net, dtype):

@@ -31,7 +31,7 @@ from test_afd_channel import high_descriptors
 
 from serve_util import free_port
 from vllm.afd import protocol as P
-from vllm.distributed.afd import channel, tcp
+from vllm.distributed.afd import channel, plane, tcp
 
 net = tcp_lib.net  # the fixture
 
@@ -270,7 +270,7 @@ def test_an_exception_in_a_background_receive_kills_the_connection(net, monkeypa
         raise ValueError("staging failed")
 
     with monkeypatch.context() as m:
-        m.setattr(tcp, "recv_tensor", broken)
+        m.setattr(plane, "recv_tensor", broken)
         wait = att.recv_start(torch.empty(4, HIDDEN))
         with pytest.raises(ValueError, match="staging failed"):
             wait()
@@ -529,4 +529,47 @@ def test_hello_with_a_huge_integer_is_dropped_as_not_this_protocol(net, monkeypa
     tcp_lib.assert_dropped(s)
     wait_until(lambda: logged.having("hello is not JSON"), what="drop logged")
     assert errors == []
+    serve_one_step(ffn, att, 1)
+
+
+# ------------------------------------------------- timeout_s at the bounds of its key
+@pytest.mark.parametrize("timeout", [0.5, 86400.0])
+def test_timeouts_at_the_config_bounds_connect_and_serve(net, timeout):
+    """timeout_s is bounded at config time (vllm.config.afd.TIMEOUT_S_RANGE): at either
+    bound both sides connect and serve. 1e10 overflowed settimeout at connect."""
+    ffn, att = connected_pair(net, timeout=timeout)
+    serve_one_step(ffn, att, 1)
+    time.sleep(0.3)  # heartbeats every min(1 s, timeout_s / 4) meanwhile
+    serve_one_step(ffn, att, 2)
+    assert att.is_up() and 0 in ffn.peers
+
+
+# --------------------------------------- profiler requests to an FFN without a profiler
+def test_profile_requests_to_an_ffn_without_a_profiler_do_not_flood_its_log(net, monkeypatch):
+    """Any attention rank (any holder of a slot) can send MSG_PROFILE at will; an FFN
+    server without a torch profiler answered each with a WARNING (200 requests: 200
+    lines). Now one line per 10 s, the next one counting those left out."""
+    from ffn_fakes import FakeRunner
+
+    from vllm.afd import ffn_runner
+
+    lines: list[str] = []
+    monkeypatch.setattr(ffn_runner.logger, "warning",
+                        lambda msg, *a, **k: lines.append(msg % a))  # fmt: skip
+    if hasattr(ffn_runner, "_LOG_NO_PROFILER"):  # a fresh throttle: no earlier test's lines
+        monkeypatch.setattr(ffn_runner, "_LOG_NO_PROFILER", P.LogThrottle())
+    ffn, att = connected_pair(net)
+    runner = FakeRunner(ffn)  # vllm_config None: no profiler configured
+    for i in range(200):
+        att.profile(i % 2 == 0)
+    served = 0
+    deadline = time.monotonic() + 10
+    while served < 200:  # as the serve loop does between steps
+        assert time.monotonic() < deadline, f"{served} of 200 profiler requests arrived"
+        ffn.wait_step(0.05)
+        for start in ffn.take_profile_requests():
+            runner._profile(start)
+            served += 1
+    assert len(lines) == 1, (len(lines), lines[:2])
+    assert "has no torch profiler configured" in lines[0]
     serve_one_step(ffn, att, 1)

@@ -73,6 +73,9 @@ class AttentionClient:
             num_router_logits=num_router_logits,
         )
         connector = create_attention_connector(ctx)
+        # A loss the connector gives up on between steps (the rejoin window passed while
+        # idle) ends this process, as a lost peer in a step ends the engine.
+        connector.on_failure = failure.exit_now
         metrics.STATS.start("attention", rank, self.peers)
         metrics.STATS.outage = self.outage_seconds
         try:

@@ -39,9 +39,14 @@ def clean_message(text: str) -> str:
 
 
 def _ancestry(pid: int) -> list[int]:
+    """``pid`` and its ancestors, up to and including pid 1: in a container the API
+    server is often pid 1 (the entrypoint), and its failure lookup needs itself in the
+    chain."""
     chain = []
-    while pid and pid > 1 and len(chain) < 64:
+    while pid and pid > 0 and len(chain) < 64:
         chain.append(pid)
+        if pid == 1:
+            break
         pid = parent_pid(pid)
     return chain
 

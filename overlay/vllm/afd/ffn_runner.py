@@ -26,7 +26,7 @@ from vllm.afd.model_split import (
     router_logits_width,
     router_name,
 )
-from vllm.afd.protocol import MSG_STEP, AFDPeerError, ubatch_of
+from vllm.afd.protocol import MSG_STEP, AFDPeerError, LogThrottle, ubatch_of
 from vllm.afd.roles import afd_config
 from vllm.distributed.afd.base import ConnectorContext, StepPeer, create_ffn_connector
 from vllm.logger import init_logger
@@ -35,6 +35,9 @@ logger = init_logger(__name__)
 
 # FFN runners of this process (in-process engines, tests and tools).
 ACTIVE: list[FFNModelRunner] = []
+# Profiler requests of an FFN server without a profiler: any attention rank (any holder of
+# a slot) can send them at will; one WARNING per 10 s at most.
+_LOG_NO_PROFILER = LogThrottle()
 # Default of connector_extra_config.ffn_cuda_graph_max_tokens: this many per attention
 # rank served (vLLM's largest decode capture size by default).
 GRAPH_TOKENS_PER_RANK = 512
@@ -861,7 +864,8 @@ class FFNModelRunner:
         (the thread whose work the trace must show)."""
         pcfg = getattr(self.vllm_config, "profiler_config", None)
         if pcfg is None or getattr(pcfg, "profiler", None) != "torch":
-            logger.warning(
+            _LOG_NO_PROFILER(
+                logger.warning,
                 "AFD FFN role: asked to %s profiling, but this FFN "
                 "server has no torch profiler configured; start it with "
                 '--profiler-config \'{"profiler": "torch", "torch_profiler_dir": DIR}\' '

@@ -13,7 +13,10 @@ network here.
 
 The directory (``$VLLM_AFD_METRICS_DIR``, default ``<tmp>/vllm-afd-<uid>``)
 also holds the failure records of :mod:`vllm.afd.failure`, whose text reaches
-clients. It must be private: a real directory (not a symlink), owned by this
+clients. A write prunes it (at most every :data:`PRUNE_INTERVAL_S` per process): the
+snapshots of processes that are gone (a SIGKILL leaves them), files older than
+:data:`STALE_FILE_S`, failure records beyond the newest :data:`MAX_RECORDS`, and temp
+files of a write that never finished. It must be private: a real directory (not a symlink), owned by this
 user, no permission bits for group or others; it is created so (mode 0700).
 Any other is refused (:class:`UnsafeMetricsDirError`, logged once): the AFD
 metrics and failure records are then off and serving goes on. Files are
@@ -33,6 +36,9 @@ attention role
     ``vllm:afd_handshake_failures_total``, ``vllm:afd_rejoins_total`` (a lost FFN
     rank reached again and the step re-run), ``vllm:afd_outage_seconds_total``
     (seconds without the FFN rank, over the outages that ended in a rejoin),
+    ``vllm:afd_home_refusals_total`` (served by another FFN replica, ffn_failover: times
+    its own FFN rank refused it at the re-handshake - another checkpoint, revision,
+    topology or secret came back there),
     ``vllm:afd_peer_outage_seconds`` (gauge: seconds since the FFN rank was lost,
     0 while it is connected).
 FFN role
@@ -102,9 +108,11 @@ COUNTERS = {
     "rejoins": "Times this attention rank reached its lost FFN rank again and re-ran the step.",
     "outage_seconds": "Seconds this attention rank was without its FFN rank, over the outages "
     "that ended in a rejoin.",
+    "home_refusals": "Times this attention rank, served by another FFN replica (ffn_failover), "
+    "was refused by its own FFN rank at the re-handshake (another deployment there).",
 }
 ATTENTION_COUNTERS = ("steps", "layer_exchanges", "bytes_sent", "bytes_received",
-                      "handshake_failures", "rejoins", "outage_seconds")
+                      "handshake_failures", "rejoins", "outage_seconds", "home_refusals")
 FFN_COUNTERS = ("ffn_steps_served", "ffn_batched_steps", "ffn_idle_seconds", "bytes_sent",
                 "bytes_received", "handshake_failures", "ffn_graph_replays",
                 "ffn_graph_captures", "ffn_graph_capture_seconds", "ffn_ubatched_steps",
@@ -209,7 +217,8 @@ def _metrics_dir_fd(create: bool):
 def write_private_file(name: str, data: bytes) -> bool:
     """Write ``name`` in the metrics directory atomically: a new temp file of a random
     name (never a file or link that is there), then a rename over ``name`` (which
-    replaces a link there, not its target). False when it could not be written."""
+    replaces a link there, not its target). False when it could not be written. Prunes
+    the directory when it is due (:func:`prune_private_files`)."""
     with _metrics_dir_fd(create=True) as dfd:
         if dfd is None:
             return False
@@ -223,7 +232,96 @@ def write_private_file(name: str, data: bytes) -> bool:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)
             return False
+        _prune_when_due(dfd)
     return True
+
+
+# ------------------------------------------------------------------ pruning
+STALE_FILE_S = 3600.0  # vllm.afd.failure reads records an hour back; a snapshot is 0.5 s old
+STALE_TMP_S = 60.0  # the temp file of a write that never reached its rename
+MAX_RECORDS = 256  # failure records kept, newest first (a crash loop writes one a crash)
+PRUNE_INTERVAL_S = 60.0  # per process
+_next_prune = 0.0
+_prune_lock = threading.Lock()
+
+
+def _prune_when_due(dfd: int) -> None:
+    global _next_prune
+    now = time.monotonic()
+    with _prune_lock:
+        if now < _next_prune:
+            return
+        _next_prune = now + PRUNE_INTERVAL_S
+    try:
+        _prune(dfd, time.time())
+    except OSError:  # best effort: never fail the write for it
+        pass
+
+
+def prune_private_files() -> int:
+    """Remove what is stale in the metrics directory now; how many files went."""
+    with _metrics_dir_fd(create=False) as dfd:
+        return 0 if dfd is None else _prune(dfd, time.time())
+
+
+def _prune(dfd: int, now: float) -> int:
+    """Remove this user's regular files that are stale: snapshots (``*.json``) of a
+    process that is gone or older than STALE_FILE_S, failure records (``*.error``)
+    older than that or beyond the newest MAX_RECORDS, temp files (``.*.tmp``) older
+    than STALE_TMP_S. Anything else is left alone."""
+    removed = 0
+    records: list[tuple[float, str]] = []
+    procs = process_start(os.getpid()) is not None  # /proc readable: pids can be checked
+    for name in os.listdir(dfd):
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        age = now - st.st_mtime
+        if name.startswith("."):
+            stale = name.endswith(".tmp") and age > STALE_TMP_S
+        elif name.endswith(".error"):
+            stale = age > STALE_FILE_S
+            if not stale:
+                records.append((st.st_mtime, name))
+        elif name.endswith(".json"):
+            stale = age > STALE_FILE_S or (procs and _writer_gone(dfd, name))
+        else:
+            stale = False
+        if stale:
+            removed += _unlink(dfd, name)
+    records.sort(reverse=True)
+    for _, name in records[MAX_RECORDS:]:
+        removed += _unlink(dfd, name)
+    return removed
+
+
+def _writer_gone(dfd: int, name: str) -> bool:
+    """The process that wrote snapshot ``<role>-<rank>-<pid>.json`` is gone: no such
+    pid, or the pid names a later process (another start time)."""
+    try:
+        pid = int(name[: -len(".json")].rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    start = process_start(pid)
+    if start is None:
+        return True
+    try:
+        return json.loads(_read_own_file(dfd, name) or b"")["start"] != start
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def _unlink(dfd: int, name: str) -> int:
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        return 0
+    return 1
 
 
 def remove_private_file(name: str) -> None:
@@ -297,6 +395,9 @@ class AFDStats:
         self._writer: threading.Thread | None = None
         self._stop = threading.Event()
         self._name: str | None = None
+        # A write and close() one after the other: a write in flight when close() removes
+        # the file would bring it back (a snapshot left by a process that is gone).
+        self._file_lock = threading.Lock()
 
     # -- recording ---------------------------------------------------------
     def inc(self, name: str, n: float = 1) -> None:
@@ -366,9 +467,14 @@ class AFDStats:
         atexit.register(self.close)
 
     def write(self) -> bool:
-        if self._name is None:
+        name = self._name
+        if name is None:
             return False
-        return write_private_file(self._name, json.dumps(self.snapshot()).encode())
+        data = json.dumps(self.snapshot()).encode()
+        with self._file_lock:
+            if self._name != name:  # closed meanwhile
+                return False
+            return write_private_file(name, data)
 
     def _loop(self) -> None:
         while not self._stop.wait(WRITE_INTERVAL_S):
@@ -376,9 +482,10 @@ class AFDStats:
 
     def close(self) -> None:
         self._stop.set()
-        if self._name is not None:
-            remove_private_file(self._name)
-            self._name = None
+        with self._file_lock:
+            name, self._name = self._name, None
+            if name is not None:
+                remove_private_file(name)
 
 
 STATS = AFDStats()
@@ -498,13 +605,29 @@ def collect_families(snapshots: list[dict]):
     yield from (f for f in families if f.samples)
 
 
+# /health (patch 0018) runs health_problem() on the API server's event loop: the
+# snapshots are read at most once per HEALTH_CACHE_S, the answers between are cached.
+HEALTH_CACHE_S = 1.0
+_health: tuple[str, float, str | None] | None = None  # (directory, monotonic, answer)
+
+
 def health_problem(snapshots: list[dict] | None = None) -> str | None:
     """Why this server is alive but not ready, for its /health (patch 0018): an AFD
     attention rank of it is waiting for its lost FFN rank (its step held, requests queued,
     see vllm.afd.rejoin). None when all is well or the server runs no AFD attention rank.
-    ``snapshots``: those of :func:`read_snapshots` (default: this server's)."""
+    ``snapshots``: those of :func:`read_snapshots`; default: this server's, read at most
+    once per HEALTH_CACHE_S (the answer in between is the last one)."""
+    global _health
+    if snapshots is None:
+        key, now = str(metrics_dir()), time.monotonic()
+        cached = _health
+        if cached is not None and cached[0] == key and now - cached[1] < HEALTH_CACHE_S:
+            return cached[2]
+        answer = health_problem(read_snapshots())
+        _health = (key, now, answer)
+        return answer
     waiting = []
-    for snap in read_snapshots() if snapshots is None else snapshots:
+    for snap in snapshots:
         outage = snap.get("outage_seconds")
         if snap.get("role") == "attention" and isinstance(outage, (int, float)) and outage > 0:
             waiting.append(f"attention rank {snap.get('rank')} ({outage:.1f} s)")

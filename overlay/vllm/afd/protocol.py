@@ -18,6 +18,9 @@ import hmac
 import json
 import secrets
 import struct
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 HELLO_MAGIC = b"AFDH"
@@ -192,6 +195,30 @@ def printable(text: object, limit: int = 300) -> str:
 def shown(value: object, limit: int = 200) -> str:
     """``repr`` of a value from a peer, bounded (see ``printable``)."""
     return printable(repr(value), limit)
+
+
+class LogThrottle:
+    """At most one log line per ``every`` seconds; the next one counts the lines
+    left out (what a peer can trigger at will must not fill the log)."""
+
+    def __init__(self, every: float = 10.0):
+        self.every = every
+        self._next = 0.0
+        self._skipped = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, log: Callable[..., None], msg: str, *args) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._skipped += 1
+                return
+            skipped, self._skipped = self._skipped, 0
+            self._next = now + self.every
+        if skipped:
+            msg += " (%d more like this in the last %.0f s)"
+            args = (*args, skipped, self.every)
+        log(msg, *args)
 
 
 def new_nonce() -> str:

@@ -17,39 +17,28 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from vllm.afd import connector_spec
+from vllm.afd.connector_spec import ConnectorSpec
+
 ROLES = ("attention", "ffn")
 
-# Connector names as users may write them -> canonical connector name.
-CONNECTOR_ALIASES = {
-    "gloo": "gloo",
-    "tcp": "gloo",
-    "nccl": "nccl",
-    "p2pncclafdconnector": "nccl",
-    "cuda_ipc": "cuda_ipc",
-    "ipc": "cuda_ipc",
-}
+# Connector facts (names, aliases, devices, CUDA graphs, DBO, failover, the FFN ranks
+# served, the connector_extra_config keys) live in one spec record per connector:
+# vllm.afd.connector_spec.
 
-# Connectors whose layer exchange is device work only (kernels and copies on
-# the current stream, step control included), so it can be captured in a CUDA
-# graph. With any other connector the attention role on a GPU runs eager.
-GRAPH_CAPABLE_CONNECTORS = ("cuda_ipc",)
 
-# Connectors that serve micro-batched (DBO) steps: the attention side receives a
-# micro-batch's reply in the background, the FFN side reads later micro-batches'
-# controls. Their classes say dbo_capable = True (register_connector checks both).
-DBO_CONNECTORS = ("gloo", "cuda_ipc")
-# The connector DBO runs with on each device type (the CPU has no streams to
-# overlap device transfers with; on CUDA the exchange must be device work).
-DBO_CONNECTOR_OF_DEVICE = {"cpu": "gloo", "cuda": "cuda_ipc"}
-# Micro-batches per step the cuda_ipc connector has inboxes for.
-IPC_MAX_UBATCHES = 2
-
-# The largest FFN ranks count the NCCL connector serves in this release
-# (M:N with several FFN ranks needs expert parallelism between them).
-NCCL_MAX_FFN_RANKS = 1
+# Bounds of the top-level numbers (README.md, "Keys"), checked at config time: a value
+# outside them crashed later or misbehaved (timeout_s 1e10 overflowed a socket timeout
+# at connect, 1e-7 spun the heartbeat; 10**9 attention ranks built rank lists of that
+# size; a huge rejoin_timeout_s overflowed the same way as timeout_s).
+TIMEOUT_S_RANGE = (0.5, 86400.0)  # seconds: a silent peer's bound; at most a day
+REJOIN_TIMEOUT_S_MAX = 86400.0  # seconds (0 turns rejoining off)
+MAX_RANKS = 1024  # num_attention_ranks, num_ffn_ranks
+DBO_MIN_TOKENS_MAX = 2**31 - 1
 
 
 class AFDConfigError(ValueError):
@@ -84,6 +73,11 @@ class AFDConfig:
     # and re-runs the interrupted step's FFN exchanges (vllm.afd.rejoin). None: timeout_s;
     # 0: no rejoin, a lost FFN rank ends the engine at once.
     rejoin_timeout_s: float | None = None
+    # One "host:port" per FFN rank (DNS names allowed, "[v6]:port" for IPv6): attention
+    # ranks dial FFN rank f at ffn_addresses[f], resolving the name again on every dial;
+    # FFN rank f listens on its entry's port on the interface ``host``. None: FFN rank f
+    # at host:port+f.
+    ffn_addresses: list[str] | None = None
 
     # ------------------------------------------------------------------ parse
     @classmethod
@@ -150,6 +144,7 @@ class AFDConfig:
         self._validate_address_and_ranks(fail)
         self._validate_flags_and_timeouts(fail)
         self._validate_rank_and_dbo(fail)
+        self._validate_bounds(fail)
         self._validate_extra(fail)
 
     def _validate_role_and_connector(self, fail) -> None:
@@ -157,13 +152,16 @@ class AFDConfig:
             fail(f"'role' must be one of {', '.join(ROLES)}; got {self.role!r}")
         if not isinstance(self.connector, str):
             fail(f"'connector' must be a string; got {type(self.connector).__name__}")
-        canonical = CONNECTOR_ALIASES.get(self.connector.lower())
-        if canonical is None:
-            fail(
-                f"unknown connector {self.connector!r}; known: "
-                f"{', '.join(sorted(CONNECTOR_ALIASES))}"
-            )
-        object.__setattr__(self, "connector", canonical)
+        try:
+            spec = connector_spec.resolve(self.connector)
+        except ValueError as e:
+            fail(str(e))
+        object.__setattr__(self, "connector", spec.name)
+
+    @property
+    def spec(self) -> ConnectorSpec:
+        """The spec record of this configuration's connector."""
+        return connector_spec.resolve(self.connector)
 
     def _validate_address_and_ranks(self, fail) -> None:
         """host, port, the rank counts and the FFN ranks' ports (port + f)."""
@@ -192,13 +190,40 @@ class AFDConfig:
                 f"num_attention_ranks ({m}) must be a multiple of num_ffn_ranks ({n}) "
                 "so that every FFN rank serves the same number of attention ranks"
             )
-        if self.port + n - 1 > 65535:
+        if self.ffn_addresses is None and self.port + n - 1 > 65535:
             fail(f"FFN rank ports {self.port}..{self.port + n - 1} exceed 65535")
-        if self.connector == "nccl" and n > NCCL_MAX_FFN_RANKS:
+        limit = self.spec.max_ffn_ranks
+        if limit is not None and n > limit:
             fail(
-                f"connector 'nccl' serves num_ffn_ranks <= {NCCL_MAX_FFN_RANKS} in this "
+                f"connector {self.connector!r} serves num_ffn_ranks <= {limit} in this "
                 f"release; got {n} (use more attention ranks per FFN rank instead)"
             )
+        self._validate_ffn_addresses(fail)
+
+    def _validate_ffn_addresses(self, fail) -> None:
+        """ffn_addresses: a list of num_ffn_ranks distinct "host:port" strings."""
+        addresses = self.ffn_addresses
+        if addresses is None:
+            return
+        if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+            fail(f"'ffn_addresses' must be a list of \"host:port\" strings; got {addresses!r}")
+        if len(addresses) != self.num_ffn_ranks:
+            fail(
+                f"'ffn_addresses' has {len(addresses)} entr{'y' if len(addresses) == 1 else 'ies'}"
+                f"; it needs one per FFN rank (num_ffn_ranks {self.num_ffn_ranks})"
+            )
+        seen: dict[tuple[str, int], int] = {}
+        for f, text in enumerate(addresses):
+            try:
+                where = split_address(text)
+            except ValueError as e:
+                fail(f"'ffn_addresses'[{f}]: {e}")
+            if where in seen:
+                fail(
+                    f"'ffn_addresses'[{f}] {text!r} is also FFN rank {seen[where]}'s address; "
+                    "each FFN rank needs its own host:port"
+                )
+            seen[where] = f
 
     def _validate_flags_and_timeouts(self, fail) -> None:
         """compute_gate_on_attention, timeout_s, rejoin_timeout_s, and that
@@ -236,40 +261,37 @@ class AFDConfig:
                 f"smallest step split into micro-batches); got {self.dbo_min_tokens!r}"
             )
 
-    def _validate_extra(self, fail) -> None:
-        """The keys of connector_extra_config (docs/connectors.md)."""
-        extra = self.connector_extra_config
-        window = extra.get("batch_window_ms", 0)
-        if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
-            fail("connector_extra_config.batch_window_ms must be a non-negative number")
-        secret_env = extra.get("secret_env")
-        if secret_env is not None and not isinstance(secret_env, str):
-            fail("connector_extra_config.secret_env must be the name of an environment variable")
-        self._validate_failover(fail)
-        for key in ("ffn_cuda_graphs", "early_step_control", "ffn_hot_poll"):
-            value = extra.get(key, True)
-            if not isinstance(value, bool):
-                fail(f"connector_extra_config.{key} must be true or false; got {value!r}")
-        per_pass = extra.get("ffn_max_tokens_per_pass")
-        if per_pass is not None and (not _is_int(per_pass) or per_pass < 1):
+    def _validate_bounds(self, fail) -> None:
+        """The top-level numbers within their bounds (their types were checked before;
+        port and rank are bounded there)."""
+        lo, hi = TIMEOUT_S_RANGE
+        if not lo <= self.timeout_s <= hi:
+            fail(f"'timeout_s' must be between {lo:g} and {hi:g} seconds; got {self.timeout_s:g}")
+        if self.rejoin_timeout_s is not None and self.rejoin_timeout_s > REJOIN_TIMEOUT_S_MAX:
             fail(
-                "connector_extra_config.ffn_max_tokens_per_pass must be a positive integer "
-                f"(tokens); got {per_pass!r}"
+                f"'rejoin_timeout_s' must be at most {REJOIN_TIMEOUT_S_MAX:g} seconds (0 turns "
+                f"rejoining off); got {self.rejoin_timeout_s:g}"
             )
-        for key in ("ffn_cuda_graph_max_tokens", "ffn_cuda_graph_max_count",
-                    "ffn_cuda_graph_window"):
-            value = extra.get(key, 0)
-            if not _is_int(value) or value < 0:
-                fail(f"connector_extra_config.{key} must be a non-negative integer; got {value!r}")
+        for key in ("num_attention_ranks", "num_ffn_ranks"):
+            if getattr(self, key) > MAX_RANKS:
+                fail(f"{key!r} must be at most {MAX_RANKS}; got {getattr(self, key)}")
+        if _is_int(self.dbo_min_tokens) and self.dbo_min_tokens > DBO_MIN_TOKENS_MAX:
+            fail(f"'dbo_min_tokens' must be at most {DBO_MIN_TOKENS_MAX}; got {self.dbo_min_tokens}")
+
+    def _validate_extra(self, fail) -> None:
+        """The keys of connector_extra_config, each checked against the connector's spec
+        record (its own keys and the channel's: kind, bounds; unknown keys refused)."""
+        why = self.spec.check_extra(self.connector_extra_config)
+        if why is not None:
+            fail(why)
+        self._validate_failover(fail)
 
     def _validate_failover(self, fail) -> None:
         """connector_extra_config.ffn_failover: FFN replicas (num_ffn_ranks > 1 servers,
-        each holding every expert) on the gloo connector; an FFN group is refused in
-        _verify_parallel (its ranks split the experts, none can serve another's rank)."""
-        failover = self.connector_extra_config.get("ffn_failover", False)
-        if not isinstance(failover, bool):
-            fail(f"connector_extra_config.ffn_failover must be true or false; got {failover!r}")
-        if not failover:
+        each holding every expert) on a connector whose spec says failover; an FFN group
+        is refused in _verify_parallel (its ranks split the experts, none can serve
+        another's rank)."""
+        if not self.ffn_failover:
             return
         if self.num_ffn_ranks < 2:
             fail(
@@ -277,11 +299,6 @@ class AFDConfig:
                 f"(num_ffn_ranks > 1, one FFN server each); got num_ffn_ranks "
                 f"{self.num_ffn_ranks}: drop the key (a lost FFN rank is rejoined, "
                 "rejoin_timeout_s)"
-            )
-        if self.connector != "gloo":
-            fail(
-                "connector_extra_config.ffn_failover is served by connector 'gloo' (tcp) in "
-                f"this release; got {self.connector!r}: drop the key"
             )
 
     @property
@@ -364,15 +381,17 @@ class AFDConfig:
                     "the micro-batches it is sent); drop it from the FFN server"
                 )
             self._verify_dbo(parallel, device_type)
-        if self.connector in GRAPH_CAPABLE_CONNECTORS and device_type != "cuda":
+        spec = self.spec
+        if device_type not in spec.devices:
             raise AFDConfigError(
-                f"AFD: connector {self.connector!r} moves activations between CUDA devices of "
-                f"one host; this engine runs on {device_type!r}. Use connector 'gloo' there."
+                f"AFD: connector {self.connector!r} runs on {' and '.join(spec.devices)} "
+                f"({spec.summary}); this engine runs on {device_type!r}. Use one of: "
+                + ", ".join(s.name for s in connector_spec.all_specs() if device_type in s.devices)
             )
         if (
             self.is_attention
             and device_type != "cpu"
-            and self.connector not in GRAPH_CAPABLE_CONNECTORS
+            and not spec.graph_capable
             and model_config is not None
             and not model_config.enforce_eager
         ):
@@ -382,8 +401,8 @@ class AFDConfig:
 
             logging.getLogger("vllm.afd").warning(
                 "AFD attention role on %s: connector %r cannot run inside CUDA graphs; "
-                "running eager (as with --enforce-eager). Use connector 'cuda_ipc' "
-                "(one host) for CUDA graphs",
+                "running eager (as with --enforce-eager). Graph-capable connectors: "
+                + ", ".join(s.name for s in connector_spec.all_specs() if s.graph_capable),
                 device_type,
                 self.connector,
             )
@@ -433,12 +452,13 @@ class AFDConfig:
                 "AFD: drop 'rank' from the --afd-config of an FFN group: each of its "
                 "tensor_parallel_size workers is the FFN rank of its tensor-parallel rank"
             )
-        if self.connector in GRAPH_CAPABLE_CONNECTORS:
+        if not self.spec.ffn_group:
             raise AFDConfigError(
-                f"AFD: an FFN group (tensor_parallel_size {tp}) runs with connector 'gloo' in "
-                f"this release: connector {self.connector!r} maps a peer's buffers by the "
-                "device numbering of one process pair, and a group's workers sit on "
-                "different GPUs"
+                f"AFD: an FFN group (tensor_parallel_size {tp}) runs with connector "
+                + " or ".join(repr(s.name) for s in connector_spec.all_specs() if s.ffn_group)
+                + f" in this release, not {self.connector!r} (its spec record declares no "
+                "FFN group: cuda_ipc maps a peer's buffers by the device numbering of one "
+                "process pair, and a group's workers sit on different GPUs)"
             )
         if device_type == "cpu" and getattr(parallel, "enable_expert_parallel", False):
             raise AFDConfigError(
@@ -457,27 +477,23 @@ class AFDConfig:
                 f"AFD: --enable-dbo on the attention role needs data_parallel_size 1 "
                 f"(got {dp}); run one attention server per attention rank instead"
             )
-        if self.connector not in DBO_CONNECTORS:
+        spec = self.spec
+        if device_type not in spec.dbo_devices:
+            serving = [
+                f"{s.name} on {'/'.join(s.dbo_devices)}"
+                for s in connector_spec.all_specs()
+                if s.dbo_devices
+            ]
             raise AFDConfigError(
-                f"AFD: --enable-dbo is not supported with connector {self.connector!r} yet "
-                f"(supported: {', '.join(DBO_CONNECTORS)}); drop --enable-dbo"
-            )
-        wanted = DBO_CONNECTOR_OF_DEVICE.get(device_type)
-        if wanted is None:
-            raise AFDConfigError(
-                f"AFD: --enable-dbo on {device_type!r} is not supported yet (AFD micro-batches "
-                f"run on {' and '.join(DBO_CONNECTOR_OF_DEVICE)}); drop --enable-dbo"
-            )
-        if self.connector != wanted:
-            raise AFDConfigError(
-                f"AFD: --enable-dbo on {device_type!r} needs connector {wanted!r} "
-                f"(got {self.connector!r})"
+                f"AFD: --enable-dbo on {device_type!r} is not supported with connector "
+                f"{self.connector!r} (micro-batched steps are served by: "
+                f"{', '.join(serving)}); drop --enable-dbo"
             )
         n = getattr(parallel, "num_ubatches", 2)
-        if self.connector == "cuda_ipc" and n > IPC_MAX_UBATCHES:
+        if spec.max_ubatches is not None and n > spec.max_ubatches:
             raise AFDConfigError(
-                f"AFD: the cuda_ipc connector serves at most {IPC_MAX_UBATCHES} micro-batches "
-                f"per step (this configuration asks for {n})"
+                f"AFD: the {self.connector} connector serves at most {spec.max_ubatches} "
+                f"micro-batches per step (this configuration asks for {n})"
             )
 
     # ---------------------------------------------------------------- derived
@@ -548,8 +564,24 @@ class AFDConfig:
             )
         return text + ")"
 
+    def ffn_address(self, ffn_rank: int) -> tuple[str, int]:
+        """(host, port) where attention ranks dial FFN rank ``ffn_rank``: its entry of
+        ffn_addresses, else host:port+ffn_rank. The host may be a DNS name; the
+        connectors resolve it on every dial."""
+        if self.ffn_addresses is not None:
+            return split_address(self.ffn_addresses[ffn_rank])
+        return self.host, self.port + ffn_rank
+
+    def ffn_listen_address(self, ffn_rank: int) -> tuple[str, int]:
+        """(interface, port) FFN rank ``ffn_rank`` listens on: ``host`` and the port of
+        its address."""
+        return self.host, self.ffn_address(ffn_rank)[1]
+
     def ffn_port(self, ffn_rank: int) -> int:
-        return self.port + ffn_rank
+        return self.ffn_address(ffn_rank)[1]
+
+    def ffn_address_text(self, ffn_rank: int) -> str:
+        return join_address(*self.ffn_address(ffn_rank))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -576,6 +608,42 @@ class AFDConfig:
         d = self.to_dict()
         d.pop("connector_extra_config", None)
         return "AFDConfig(" + ", ".join(f"{k}={v!r}" for k, v in d.items()) + ")"
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """"host:port" or "[v6]:port" -> (host, port); raises ValueError saying what is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"an address must be a \"host:port\" string; got {text!r}")
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"{text!r}: write an IPv6 address as \"[addr]:port\"")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"{text!r} has no port (\"host:port\")")
+        if ":" in host:
+            raise ValueError(f"{text!r}: write an IPv6 address as \"[addr]:port\"")
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f"{text!r} has no valid host")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"{text!r}: the port must be an integer in 1..65535")
+    return host, int(port_text)
+
+
+def join_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def resolve_address(host: str, port: int) -> list[tuple]:
+    """Every (family, type, proto, canonname, sockaddr) ``host`` resolves to now (a DNS
+    name is resolved again on each call); raises OSError naming the host."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve {host!r}: {e.strerror}") from None
 
 
 def parse_afd_config_arg(text: str) -> AFDConfig:

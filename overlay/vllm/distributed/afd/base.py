@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm.afd import connector_spec
 from vllm.afd.protocol import Control
-from vllm.config.afd import DBO_CONNECTORS, GRAPH_CAPABLE_CONNECTORS, AFDConfig
+from vllm.config.afd import AFDConfig
 
 
 @dataclass
@@ -39,10 +40,10 @@ class ConnectorContext:
 
 class AttentionConnector(ABC):
     # True when begin_step/send/recv are device work only (capturable in CUDA
-    # graphs, see vllm.config.afd.GRAPH_CAPABLE_CONNECTORS).
+    # graphs; the connector's spec record, vllm.afd.connector_spec, says the same).
     graph_capable = False
     # True when the connector serves micro-batched (DBO) steps: recv_start on this
-    # side, recv_control on the FFN side (vllm.config.afd.DBO_CONNECTORS).
+    # side, recv_control on the FFN side (the spec record's dbo_devices).
     dbo_capable = False
     # True when reconnect() can bring a lost FFN rank back and a step can then be
     # re-run from its first layer (vllm.afd.rejoin); else a lost FFN rank ends the
@@ -258,16 +259,8 @@ class FFNConnector(ABC):
 
 ROLES = ("attention", "ffn")
 
-# name -> (module path, attention class name, FFN class name): imported on first use.
-_LAZY: dict[str, tuple[str, str, str]] = {}
-# name -> (attention class, FFN class), checked against the config lists.
+# name -> (attention class, FFN class), checked against the connector's spec record.
 _LOADED: dict[str, tuple[type, type]] = {}
-
-
-def register_connector_module(name: str, module: str, attention_class: str, ffn_class: str) -> None:
-    """Register connector ``name`` by module path; the module is imported the
-    first time the connector is created."""
-    _LAZY[name] = (module, attention_class, ffn_class)
 
 
 def register_connector(
@@ -275,49 +268,51 @@ def register_connector(
     attention_cls: Callable[[ConnectorContext], AttentionConnector],
     ffn_cls: Callable[[ConnectorContext], FFNConnector],
 ) -> None:
-    """Register connector ``name`` by its classes (a connector module calls this
-    for itself when it is imported)."""
-    _check_capabilities(name, attention_cls, ffn_cls)
-    _LOADED[name] = (attention_cls, ffn_cls)
+    """Register the classes of connector ``name`` (a connector module calls this for
+    itself when it is imported); its spec record must exist and agree with them."""
+    spec = connector_spec.resolve(name)
+    check_capabilities(spec, attention_cls, ffn_cls)
+    _LOADED[spec.name] = (attention_cls, ffn_cls)
 
 
-def _check_capabilities(name: str, attention_cls, ffn_cls) -> None:
-    # The config layer (which imports no connector) decides from
-    # GRAPH_CAPABLE_CONNECTORS whether the attention role may keep CUDA graphs and
-    # from DBO_CONNECTORS whether it may micro-batch; the roles read the classes'
-    # graph_capable / dbo_capable. Refuse a registration where the two disagree
-    # instead of letting one side run steps the other cannot serve.
-    for attr, names, listing in (
-        ("graph_capable", GRAPH_CAPABLE_CONNECTORS, "GRAPH_CAPABLE_CONNECTORS"),
-        ("dbo_capable", DBO_CONNECTORS, "DBO_CONNECTORS"),
+def check_capabilities(spec: connector_spec.ConnectorSpec, attention_cls, ffn_cls) -> None:
+    """The config layer (which imports no connector) decides from the spec record whether
+    the attention role may keep CUDA graphs or micro-batch; the roles read the classes'
+    graph_capable / dbo_capable. Refuse classes that disagree with their record instead of
+    letting one side run steps the other cannot serve."""
+    for attr, declared in (
+        ("graph_capable", spec.graph_capable),
+        ("dbo_capable", spec.dbo_capable),
     ):
-        listed = name in names
         for cls in (attention_cls, ffn_cls):
             has = bool(getattr(cls, attr, False))
-            if has != listed:
+            if has != declared:
                 raise ValueError(
-                    f"AFD connector {name!r}: {getattr(cls, '__name__', cls)}.{attr}="
-                    f"{has} but {name!r} is {'' if listed else 'not '}in "
-                    f"vllm.config.afd.{listing}"
+                    f"AFD connector {spec.name!r}: {getattr(cls, '__name__', cls)}.{attr}="
+                    f"{has} but its spec record (vllm.afd.connector_spec) says {declared}"
                 )
 
 
 def connector_names() -> list[str]:
-    return sorted(set(_LAZY) | set(_LOADED))
+    return sorted(s.name for s in connector_spec.all_specs())
 
 
 def connector_classes(name: str) -> tuple[type, type]:
-    """(attention class, FFN class) of connector ``name``, importing its module
-    on first use."""
-    if name not in _LOADED:
-        if name not in _LAZY:
-            raise ValueError(
-                f"no AFD connector named {name!r} (available: {', '.join(connector_names())})"
-            )
-        module, attention_class, ffn_class = _LAZY[name]
-        mod = importlib.import_module(module)
-        register_connector(name, getattr(mod, attention_class), getattr(mod, ffn_class))
-    return _LOADED[name]
+    """(attention class, FFN class) of connector ``name`` (a name, an alias or a module
+    path), importing its module on first use."""
+    spec = connector_spec.resolve(name)
+    if spec.name not in _LOADED:
+        try:
+            mod = importlib.import_module(spec.module)
+        except ImportError as e:
+            need = f" (it needs `pip install {spec.requires}`)" if spec.requires else ""
+            raise ImportError(
+                f"AFD connector {spec.name!r}: cannot import {spec.module}{need}: {e}"
+            ) from e
+        register_connector(
+            spec.name, getattr(mod, spec.attention_class), getattr(mod, spec.ffn_class)
+        )
+    return _LOADED[spec.name]
 
 
 def create_connector(ctx: ConnectorContext, role: str) -> AttentionConnector | FFNConnector:
@@ -334,14 +329,3 @@ def create_attention_connector(ctx: ConnectorContext) -> AttentionConnector:
 
 def create_ffn_connector(ctx: ConnectorContext) -> FFNConnector:
     return create_connector(ctx, "ffn")
-
-
-register_connector_module(
-    "gloo", "vllm.distributed.afd.tcp", "TCPAttentionConnector", "TCPFFNConnector"
-)
-register_connector_module(
-    "nccl", "vllm.distributed.afd.nccl", "NCCLAttentionConnector", "NCCLFFNConnector"
-)
-register_connector_module(
-    "cuda_ipc", "vllm.distributed.afd.cuda_ipc", "IPCAttentionConnector", "IPCFFNConnector"
-)

@@ -27,7 +27,7 @@ in CUDA graphs and the FFN role can replay its own graphs:
   needs before anything is mapped, and the mapped segment's size after; the
   peer's reference-counter and event fields are never used;
 * DBO: every inbox, flag and counter exists once per micro-batch slot (up to
-  ``IPC_MAX_UBATCHES``). Micro-batch 0's control message announces the token
+  its spec record's ``max_ubatches``). Micro-batch 0's control message announces the token
   counts of all micro-batches of the step (the FFN rank can then replay one
   graph for the whole step), and each micro-batch's exchange runs on its own
   side stream of the attention rank, joined back to the compute stream only
@@ -68,6 +68,7 @@ import time
 import torch
 
 from vllm.afd import failure
+from vllm.afd.connector_spec import SPECS
 from vllm.afd.protocol import (
     HELLO_PREAMBLE,
     MSG_STEP,
@@ -83,7 +84,6 @@ from vllm.afd.protocol import (
     unpack_hello_preamble,
 )
 from vllm.afd.roles import unless_capturing
-from vllm.config.afd import IPC_MAX_UBATCHES
 from vllm.distributed.afd import ipc_kernels as kernels
 from vllm.distributed.afd.base import ConnectorContext, StepPeer, register_connector
 from vllm.distributed.afd.channel import Peer as _Peer
@@ -108,7 +108,7 @@ CTRL_BYTES = CTRL_ROWS * ROW * 8
 # The attention rank's flag row (exported to its FFN rank): [s] the data flag
 # of micro-batch slot s, written by the FFN rank.
 FLAGS_BYTES = ROW * 8
-SLOTS = IPC_MAX_UBATCHES
+SLOTS = SPECS["cuda_ipc"].max_ubatches
 assert C_DATA + SLOTS <= C_UB1_TOKENS and SLOTS == 2
 POISON = 1 << 62
 

@@ -8,7 +8,7 @@ current CUDA stream, so a layer exchange needs no host synchronisation.
 Group layout for FFN rank ``f`` serving attention ranks ``f*k .. f*k+k-1``:
 one NCCL communicator of ``k + 1`` members, FFN rank = member 0, attention
 rank ``a`` = member ``1 + a % k``. Its rendezvous store listens on the FFN
-host at ``port + num_ffn_ranks + f``.
+rank's host at the port after its own.
 
 Limits of this release: a pending NCCL receive cannot be cancelled, so a peer
 that dies in the middle of a layer exchange is detected through the TCP
@@ -29,9 +29,13 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 
-def _store_port(ctx: ConnectorContext, ffn_rank: int) -> int:
+def _store_address(ctx: ConnectorContext, ffn_rank: int, member: int) -> tuple[str, int]:
+    """Where the rendezvous store of FFN rank ``ffn_rank``'s group listens (member 0, the
+    FFN rank, binds it on its interface) and is reached: the port after the FFN rank's
+    (nccl serves one FFN rank)."""
     cfg = ctx.config
-    return cfg.port + cfg.num_ffn_ranks + ffn_rank
+    host, port = cfg.ffn_listen_address(ffn_rank) if member == 0 else cfg.ffn_address(ffn_rank)
+    return host, port + 1
 
 
 def _create_comm(ctx: ConnectorContext, ffn_rank: int, member: int):
@@ -39,9 +43,10 @@ def _create_comm(ctx: ConnectorContext, ffn_rank: int, member: int):
     from vllm.distributed.utils import StatelessProcessGroup
 
     cfg = ctx.config
+    host, port = _store_address(ctx, ffn_rank, member)
     group = StatelessProcessGroup.create(
-        host=cfg.host,
-        port=_store_port(ctx, ffn_rank),
+        host=host,
+        port=port,
         rank=member,
         world_size=cfg.attention_ranks_per_ffn + 1,
         store_timeout=int(max(cfg.timeout_s, 30)),

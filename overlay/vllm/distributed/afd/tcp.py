@@ -1,23 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
-"""TCP connector for AFD on the CPU (registered as ``gloo``, alias ``tcp``).
+"""The AFD control channel, and the ``gloo`` connector (alias ``tcp``): the channel with
+the socket data plane.
 
-Plain sockets rather than a torch Gloo process group: every read has a
-deadline, a dead peer shows up as EOF/reset at once, sizes are bounded, and a
-stranger on the port is dropped without touching the running deployment. The
-framing lives in ``vllm.distributed.afd.channel``; the handshake (hello,
-optional challenge-response authentication, fingerprint) is here.
+The channel: plain sockets rather than a torch Gloo process group: every read has a
+deadline, a dead peer shows up as EOF/reset at once, sizes are bounded, and a stranger on
+the port is dropped without touching the running deployment. The framing lives in
+``vllm.distributed.afd.channel``; the handshake (hello, optional challenge-response
+authentication, fingerprint), sessions, step ids, heartbeats, rejoin and failover are here.
+How a layer's activations move is the data plane's (``vllm.distributed.afd.plane``):
+:class:`TCPAttentionConnector` and :class:`TCPFFNConnector` take one (the socket plane by
+default); the registry composes them with the plane its spec record names.
 
-Rank layout: FFN rank ``f`` listens on ``host:port+f`` and serves attention
-ranks ``f*k .. f*k+k-1`` with ``k = num_attention_ranks / num_ffn_ranks``.
+Rank layout: FFN rank ``f`` is reached at ``ffn_addresses[f]`` (default ``host:port+f``) and
+serves attention ranks ``f*k .. f*k+k-1`` with ``k = num_attention_ranks / num_ffn_ranks``.
 With ``connector_extra_config.ffn_failover`` (FFN replicas, each holding every
 expert) an FFN rank also serves, as a guest, an attention rank of another replica
 whose hello says it fails over here, until that rank goes back home.
 
-The two classes here are also the base of the device connectors (``cuda_ipc``, ``nccl``),
-which keep this handshake and control channel and move the activations their own way.
-Their underscore members used or overridden by those subclasses are protected, not
-private - the subclass hooks: attention side ``_handshake``, ``_rejoin_in_background``,
-``_check``, ``_note_lost``, ``_dead``, ``_closed`` and ``_lock``; FFN side ``_admit``,
+The ``cuda_ipc`` and ``nccl`` connectors still subclass the two classes here instead of
+being data planes (their step control and group set-up go beyond a plane's hooks). Their
+underscore members used or overridden by those subclasses are protected, not private - the
+subclass hooks: attention side ``_handshake``, ``_rejoin_in_background``, ``_check``,
+``_note_lost``, ``_dead``, ``_closed`` and ``_lock``; FFN side ``_admit``,
 ``_accept_device``, ``_poll``, ``_release``, ``_lose``, ``_read_sockets``,
 ``_refuse_hello``, ``_ever_complete``, ``_peer``, ``_check`` and ``_lock``. A change of
 one of them is a change of the device connectors too. Nothing outside
@@ -26,7 +30,6 @@ one of them is a change of the device connectors too. Nothing outside
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import copy
 import os
@@ -37,7 +40,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from vllm.afd import metrics
+from vllm.afd import failure, metrics
 from vllm.afd.protocol import (
     AUTH_NONE,
     AUTH_REQUIRED,
@@ -53,6 +56,7 @@ from vllm.afd.protocol import (
     AFDPeerError,
     AFDProtocolError,
     Control,
+    LogThrottle,
     auth_proof,
     fingerprint_mismatch,
     is_nonce,
@@ -63,6 +67,7 @@ from vllm.afd.protocol import (
     shown,
     ubatch_flags,
 )
+from vllm.config.afd import join_address
 from vllm.distributed.afd.base import (
     AttentionConnector,
     ConnectorContext,
@@ -76,12 +81,17 @@ from vllm.distributed.afd.channel import (
     poll_io,
     recv_hello,
     recv_some,
-    recv_tensor,
     send_all,
     send_hello,
     send_some,
-    send_tensor,
     tensor_bytes,
+)
+from vllm.distributed.afd.plane import (
+    AttentionPlane,
+    FFNPlane,
+    Link,
+    SocketAttentionPlane,
+    SocketFFNPlane,
 )
 from vllm.logger import init_logger
 
@@ -126,30 +136,6 @@ def _hello_payload(ctx: ConnectorContext, role: str) -> dict:
     return payload
 
 
-class _Throttle:
-    """At most one log line per ``every`` seconds; the next one counts the lines
-    left out (a flood must not fill the log)."""
-
-    def __init__(self, every: float = 10.0):
-        self.every = every
-        self._next = 0.0
-        self._skipped = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, log: Callable[..., None], msg: str, *args) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now < self._next:
-                self._skipped += 1
-                return
-            skipped, self._skipped = self._skipped, 0
-            self._next = now + self.every
-        if skipped:
-            msg += " (%d more like this in the last %.0f s)"
-            args = (*args, skipped, self.every)
-        log(msg, *args)
-
-
 # Dialling the FFN rank: first retry after this many seconds, doubling up to the
 # second value. At start-up a fixed short interval (both servers come up together);
 # after a lost FFN rank a backoff (it restarts in seconds to minutes).
@@ -162,6 +148,9 @@ REJOIN_BACKOFF_S = (0.1, 1.0)
 # round, and how often a rank served by another replica tries its own again.
 FAILOVER_TRY_S = 0.5
 REBALANCE_S = 1.0
+# A home FFN rank that refuses this rank at the re-handshake (another checkpoint,
+# revision, topology or secret) is tried again after twice the last wait, up to this.
+REBALANCE_MAX_S = 60.0
 # The hello field of an attention rank that dials a replica other than its home
 # FFN rank (failover): that replica takes it as a guest when it has ffn_failover.
 HELLO_FAILOVER = "failover"
@@ -172,11 +161,18 @@ class _Busy(Exception):
 
 
 class TCPAttentionConnector(AttentionConnector):
+    """The control channel's attention side composed with a data plane (``plane``; by
+    default the socket plane, connector ``gloo``)."""
+
     dbo_capable = True
     can_rejoin = True
 
-    def __init__(self, ctx: ConnectorContext):
+    def __init__(self, ctx: ConnectorContext, plane: AttentionPlane | None = None):
         super().__init__(ctx)
+        if plane is not None:  # the plane's declared capabilities are the connector's
+            self.graph_capable = plane.graph_capable
+            self.dbo_capable = plane.dbo_capable
+        self.plane = plane if plane is not None else SocketAttentionPlane(ctx)
         cfg = ctx.config
         # The FFN rank that serves this rank (its home); after a loss, with
         # connector_extra_config.ffn_failover, another replica may serve it meanwhile.
@@ -193,36 +189,45 @@ class TCPAttentionConnector(AttentionConnector):
         self._dead: str | None = None
         self._closed = threading.Event()
         self._hb: threading.Thread | None = None
-        # Background receives (recv_start): one worker, so they complete in order.
-        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
-        self._rsock: socket.socket | None = None
         # Rejoin (reconnect): one at a time; when the FFN rank was lost.
         self._rejoin_lock = threading.Lock()
         self._lost_at: float | None = None
         self._next_home_try = 0.0  # failover: when to try the home FFN rank again
+        self._home_wait = REBALANCE_S  # and how long after a try (longer once refused)
+        self._home_refusal: str | None = None  # the home rank's refusal, logged once
+        # The rejoin window (rejoin_timeout_s) passed while idle: why (the reconnect's
+        # error); every later reconnect fails at once with it.
+        self._gave_up: str | None = None
+        # Called (heartbeat thread) with the named error once the rejoin window passed
+        # while idle; the attention role sets it to end the process (vllm.afd.failure
+        # exit_now), as a lost FFN rank ends the engine when no step is there to fail.
+        self.on_failure: Callable[[str], None] = lambda msg: None
 
     # -- connection ------------------------------------------------------
     def connect(self) -> None:
         deadline = time.monotonic() + self.timeout
         logger.info("AFD: connecting to %s (timeout %.0f s)", self.peer, self.timeout)
         self._log_auth()
-        self.sock = self._establish(deadline, DIAL_RETRY_S, rejoining=False)
+        sock, offer = self._establish(deadline, DIAL_RETRY_S, rejoining=False)
+        with self._lock:
+            self._attach(sock, offer)
         self._hb = threading.Thread(target=self._heartbeat_loop, name="afd-heartbeat", daemon=True)
         self._hb.start()
         logger.info("AFD: attention rank %d connected to %s", self.ctx.rank, self.peer)
 
     def _establish(
         self, deadline: float, backoff: tuple[float, float], rejoining: bool
-    ) -> socket.socket:
-        """A handshaken connection to the FFN rank before ``deadline``: dials again
-        while nothing listens (every ``backoff[0]`` s, doubling up to ``backoff[1]``)
-        and while the FFN rank is busy (``rejoining``: also while it still holds this
-        rank's previous connection)."""
+    ) -> tuple[socket.socket, object]:
+        """A handshaken connection to the FFN rank before ``deadline``, and the data
+        plane's offer for it (``AttentionPlane.connect``; taken by ``_attach``): dials
+        again while nothing listens (every ``backoff[0]`` s, doubling up to
+        ``backoff[1]``) and while the FFN rank is busy (``rejoining``: also while it still
+        holds this rank's previous connection)."""
         while True:
             sock = self._dial(deadline, backoff)
             try:
                 self._handshake(sock, deadline, rejoining)
-                return sock
+                return sock, self.plane.connect(self._link(sock), deadline)
             except AFDPeerError:
                 # Rejoining, a reset or EOF in the handshake is an FFN server dying or
                 # starting (its listener up before it serves): dial again.
@@ -242,6 +247,15 @@ class TCPAttentionConnector(AttentionConnector):
                 sock.close()
                 raise
 
+    def _link(self, sock: socket.socket) -> Link:
+        return Link(sock, self.peer, self.timeout, self.ctx.rank, self.ffn_rank)
+
+    def _attach(self, sock: socket.socket, offer: object) -> None:
+        """Take ``sock`` (handshaken, the plane's ``offer`` made on it) as the session,
+        under the lock."""
+        self.plane.attach(self._link(sock), offer)
+        self.sock = sock
+
     # -- rejoin: the FFN rank was lost and may come back --------------------
     def lost_at(self) -> float | None:
         """time.monotonic() when this rank noticed the loss of its FFN rank (None
@@ -257,18 +271,23 @@ class TCPAttentionConnector(AttentionConnector):
         with self._rejoin_lock:
             if self.is_up():
                 return
+            if self._gave_up is not None:  # the window passed while idle (the engine ends)
+                raise AFDPeerError(self._gave_up)
             if self._lost_at is None:
                 self._lost_at = time.monotonic()
             self._drop_connection()
             if len(self._replicas()) > 1:
-                sock = self._establish_any(deadline)
+                sock, offer = self._establish_any(deadline)
             else:
-                sock = self._establish(deadline, REJOIN_BACKOFF_S, rejoining=True)
-            if self._closed.is_set():  # closed meanwhile (the engine stops)
-                sock.close()
-                raise AFDPeerError(f"AFD attention rank closed while rejoining {self.peer}")
+                sock, offer = self._establish(deadline, REJOIN_BACKOFF_S, rejoining=True)
             with self._lock:
-                self.sock = sock
+                # close() sets _closed, then takes the lock: checked here, under it, so
+                # that a close() meanwhile never leaves this closed connector a session
+                if self._closed.is_set():  # closed meanwhile (the engine stops)
+                    self.plane.discard(offer)
+                    sock.close()
+                    raise AFDPeerError(f"AFD attention rank closed while rejoining {self.peer}")
+                self._attach(sock, offer)
                 self._step = None
                 self._in_step = False
                 self._dead = None
@@ -285,8 +304,8 @@ class TCPAttentionConnector(AttentionConnector):
         """Dial FFN rank ``ffn_rank`` from now on (its address, its name in messages)."""
         cfg = self.ctx.config
         self.ffn_rank = ffn_rank
-        self.addr = (cfg.host, cfg.ffn_port(ffn_rank))
-        self.peer = f"FFN rank {ffn_rank} at {cfg.host}:{self.addr[1]}"
+        self.addr = cfg.ffn_address(ffn_rank)
+        self.peer = f"FFN rank {ffn_rank} at {cfg.ffn_address_text(ffn_rank)}"
 
     def _dialer(self, ffn_rank: int) -> TCPAttentionConnector:
         """A shallow copy of this connector aimed at FFN rank ``ffn_rank``: it dials and
@@ -306,7 +325,7 @@ class TCPAttentionConnector(AttentionConnector):
             return [self.home]
         return [(self.home + i) % n for i in range(n)]
 
-    def _establish_any(self, deadline: float) -> socket.socket:
+    def _establish_any(self, deadline: float) -> tuple[socket.socket, object]:
         """A handshaken connection to the first replica that takes this rank, in
         rounds over _replicas() (a short try each) until ``deadline``. A replica
         that refuses the rank (it does not serve guests) is passed over; the home
@@ -339,50 +358,61 @@ class TCPAttentionConnector(AttentionConnector):
         now = time.monotonic()
         if self.ffn_rank == self.home or now < self._next_home_try:
             return
-        self._next_home_try = now + REBALANCE_S
+        self._next_home_try = now + self._home_wait
         with self._rejoin_lock:
             guest_peer = self.peer
             home = self._dialer(self.home)
             try:
-                sock = home._establish(now + FAILOVER_TRY_S, (1.0, 1.0), rejoining=True)
-            except (AFDPeerError, AFDHandshakeError):
+                sock, offer = home._establish(now + FAILOVER_TRY_S, (1.0, 1.0), rejoining=True)
+            except AFDHandshakeError as e:
+                self._home_refused(home.peer, e)
+                return
+            except AFDPeerError:
                 return
             with self._lock:
-                moved = not (self._in_step or self._dead)
+                moved = not (self._in_step or self._dead or self._closed.is_set())
                 if moved:
+                    old = self.sock
+                    with contextlib.suppress(AFDPeerError):
+                        send_all(old, Control(MSG_GOODBYE).pack(), 2.0, guest_peer)
+                    self.plane.detach()
                     self._aim(self.home)
-                    old, self.sock = self.sock, sock
-                    # DBO's background reader reads a duplicate of the old socket
-                    reader, self._reader = self._reader, None
-                    rsock, self._rsock = self._rsock, None
-            if not moved:  # a step began meanwhile: try again later
+                    self._attach(sock, offer)
+            if not moved:  # a step began meanwhile (try again later), or closed
+                self.plane.discard(offer)
                 with contextlib.suppress(AFDPeerError):
                     send_all(sock, Control(MSG_GOODBYE).pack(), 2.0, home.peer)
                 sock.close()
                 return
-        with contextlib.suppress(AFDPeerError):
-            send_all(old, Control(MSG_GOODBYE).pack(), 2.0, guest_peer)
         old.close()
-        if reader is not None:
-            reader.shutdown(wait=False, cancel_futures=True)
-        if rsock is not None:
-            rsock.close()
+        self._home_wait, self._home_refusal = REBALANCE_S, None
         logger.warning("AFD: attention rank %d moved back from %s to its own %s",
                        self.ctx.rank, guest_peer, self.peer)  # fmt: skip
 
+    def _home_refused(self, home: str, e: AFDHandshakeError) -> None:
+        """The home FFN rank answers but refuses this rank (another deployment came back
+        there): counted (vllm:afd_home_refusals_total), logged once per reason, and
+        tried again after a doubling wait (that rank logs each refused hello)."""
+        metrics.STATS.inc("home_refusals")
+        self._home_wait = min(REBALANCE_MAX_S, 2 * self._home_wait)
+        self._next_home_try = time.monotonic() + self._home_wait
+        if str(e) != self._home_refusal:
+            self._home_refusal = str(e)
+            logger.warning(
+                "AFD: attention rank %d stays on %s: its own %s refused it (%s); trying it "
+                "again in %.0f s, the wait doubling up to %.0f s",
+                self.ctx.rank, self.peer, home, e, self._home_wait, REBALANCE_MAX_S,
+            )  # fmt: skip
+
     def _drop_connection(self) -> None:
-        """Close the lost connection (and the background reader of DBO steps)."""
+        """Close the lost connection and end its data-plane session."""
         with self._lock:
             sock, self.sock = self.sock, None
-            reader, self._reader = self._reader, None
-            rsock, self._rsock = self._rsock, None
-        for s in (sock, rsock):
-            if s is not None:
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-                s.close()
-        if reader is not None:
-            reader.shutdown(wait=False, cancel_futures=True)
+            self.plane.detach()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
     def _rejoin_in_background(self) -> None:
         """The heartbeat noticed the loss between steps: reconnect now (within
@@ -390,15 +420,30 @@ class TCPAttentionConnector(AttentionConnector):
         attention rank at once; a step that comes meanwhile waits for this."""
         lost = self._lost_at
         window = self.ctx.config.rejoin_window_s
-        if not self.can_rejoin or window <= 0 or lost is None:
-            return
-        if time.monotonic() >= lost + window:
+        if not self.can_rejoin or window <= 0 or lost is None or self._gave_up is not None:
             return
         try:
             self.reconnect(lost + window)
         except (AFDPeerError, AFDHandshakeError) as e:
-            logger.error("AFD: attention rank %d could not rejoin %s: %s",
-                         self.ctx.rank, self.peer, e)  # fmt: skip
+            if not self._closed.is_set():  # not the engine stopping
+                self._give_up(e, window)
+
+    def _give_up(self, e: Exception, window: float) -> None:
+        """The lost FFN rank did not come back within rejoin_timeout_s while no step ran
+        (or what came back is of another deployment): nothing else would end the engine,
+        which would wait (and /health answer "held until it rejoins") for good. Named as
+        a held step names it (vllm.afd.rejoin), recorded for the clients' error, then
+        on_failure."""
+        self._gave_up = str(e)
+        if isinstance(e, AFDHandshakeError):
+            msg = f"{self._dead or 'lost AFD ' + self.peer}; what came back is refused: {e}"
+        else:
+            msg = (f"{self._dead or 'lost AFD ' + self.peer}; it did not come back within "
+                   f"rejoin_timeout_s={window:g} ({e})")  # fmt: skip
+        logger.error("AFD: attention rank %d gives up on %s, ending the engine: %s",
+                     self.ctx.rank, self.peer, msg)  # fmt: skip
+        failure.record("attention", self.ctx.rank, msg)
+        self.on_failure(msg)
 
     def _log_auth(self) -> None:
         if self.secret:
@@ -412,11 +457,11 @@ class TCPAttentionConnector(AttentionConnector):
         else:
             logger.warning(
                 "AFD: authentication off: $%s is not set, so attention rank %d cannot tell "
-                "the FFN rank at %s:%d from any process answering there (set the same secret "
+                "the FFN rank at %s from any process answering there (set the same secret "
                 "on every server of the deployment)",
                 self.secret_env,
                 self.ctx.rank,
-                *self.addr,
+                join_address(*self.addr),
             )
 
     def _dial(self, deadline: float, backoff: tuple[float, float]) -> socket.socket:
@@ -443,7 +488,8 @@ class TCPAttentionConnector(AttentionConnector):
                     raise AFDPeerError(
                         f"could not reach AFD {self.peer} within timeout_s={self.timeout:g}: "
                         f"{last_err}. Check that the FFN server is started with the same "
-                        "--afd-config, that host/port are right and reachable."
+                        "--afd-config, that its address (ffn_addresses, or host/port) is "
+                        "right and reachable from here."
                     ) from None
                 time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
                 wait = min(backoff[1], 2 * wait)
@@ -632,45 +678,26 @@ class TCPAttentionConnector(AttentionConnector):
         )
 
     def send(self, x: torch.Tensor) -> None:
-        sock = self._check()
+        self._check()
         with self._fatal("send"):
-            send_tensor(sock, x, self.timeout, self.peer)
+            self.plane.send(x)
 
     def recv(self, out: torch.Tensor) -> torch.Tensor:
-        sock = self._check()
+        self._check()
         with self._fatal("recv"):
-            recv_tensor(sock, out, time.monotonic() + self.timeout, self.peer)
+            self.plane.recv(out)
         return out
 
     def recv_start(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start receiving ``out`` in the background, after the receives started
-        before it; the returned ``wait()`` gives it (bounded by timeout_s).
-
-        DBO: a micro-batch starts its receive before it yields, so the FFN rank's
-        reply drains while the other micro-batch sends (with both sides blocked
-        in sends of messages larger than the socket buffers, neither would read).
-        """
-        sock = self._check()
+        before it; the returned ``wait()`` gives it (bounded by timeout_s)."""
+        self._check()
         with self._fatal("recv_start"):
-            if self._reader is None:
-                # Own socket object (same connection): its timeout is its own.
-                self._rsock = sock.dup()
-                self._reader = concurrent.futures.ThreadPoolExecutor(1, "afd-recv")
-            rsock, timeout, peer = self._rsock, self.timeout, self.peer
-
-            def job() -> torch.Tensor:
-                recv_tensor(rsock, out, time.monotonic() + timeout, peer)
-                return out
-
-            future = self._reader.submit(job)
+            wait_plane = self.plane.recv_start(out)
 
         def wait() -> torch.Tensor:
             try:
-                return future.result(timeout + 5.0)
-            except concurrent.futures.TimeoutError:
-                err = AFDPeerError(f"AFD peer {peer} did not answer within the timeout")
-                self._fail(err, "recv_start")
-                raise err from None
+                return wait_plane()
             except BaseException as e:
                 self._fail(e, "recv_start")
                 raise
@@ -702,19 +729,10 @@ class TCPAttentionConnector(AttentionConnector):
                         send_all(self.sock, Control(MSG_GOODBYE).pack(), 2.0, self.peer)
                     except AFDPeerError:
                         pass
-                if self._rsock is not None:
-                    try:  # ends a background receive at once (EOF), not at its deadline
-                        self.sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+                self.plane.detach()  # ends a background receive at once, not at its deadline
                 self.sock.close()
                 self.sock = None
-            if self._reader is not None:
-                self._reader.shutdown(wait=False, cancel_futures=True)
-                self._reader = None
-            if self._rsock is not None:
-                self._rsock.close()
-                self._rsock = None
+            self.plane.close()
 
 
 class TCPFFNConnector(FFNConnector):
@@ -722,7 +740,8 @@ class TCPFFNConnector(FFNConnector):
     # A lost attention rank ends its own session only; the rank may connect again.
     survives_peer_loss = True
     # Receives and sends are posted and the sockets of all attention ranks pumped
-    # together (post_recv, post_send, pump): no rank waits on another rank's bytes.
+    # together (post_recv, post_send, pump): no rank waits on another rank's bytes. With
+    # a data plane of the channel's own connection (FFNPlane.in_channel: sockets) only.
     async_io = True
     # A rank that had a step within ACTIVE_S is waited for (up to the batch
     # window, connector_extra_config.batch_window_ms, default 5) to join a step.
@@ -734,8 +753,13 @@ class TCPFFNConnector(FFNConnector):
     # next try, doubling up to the second value, instead of spinning.
     ACCEPT_BACKOFF_S = (0.1, 1.0)
 
-    def __init__(self, ctx: ConnectorContext):
+    def __init__(self, ctx: ConnectorContext, plane: FFNPlane | None = None):
         super().__init__(ctx)
+        if plane is not None:  # the plane's declared capabilities are the connector's
+            self.graph_capable = plane.graph_capable
+            self.dbo_capable = plane.dbo_capable
+        self.plane = plane if plane is not None else SocketFFNPlane(ctx)
+        self.async_io = type(self).async_io and self.plane.in_channel
         cfg = ctx.config
         self.batch_window = float(cfg.connector_extra_config.get("batch_window_ms", 5.0)) / 1e3
         self.expected = set(cfg.attention_ranks_of(ctx.rank))
@@ -743,7 +767,7 @@ class TCPFFNConnector(FFNConnector):
         # rank is away (guests: served like own ranks, not waited for at start).
         self.takes_guests = cfg.ffn_failover
         self.guests: set[int] = set()
-        self.addr = (cfg.host, cfg.ffn_port(ctx.rank))
+        self.addr = cfg.ffn_listen_address(ctx.rank)
         self.timeout = float(cfg.timeout_s)
         self.secret_env, self.secret = shared_secret(ctx)
         self.listener: socket.socket | None = None
@@ -762,8 +786,8 @@ class TCPFFNConnector(FFNConnector):
         self._steps: list[StepPeer] = []
         self._handshakes = 0  # in progress (guarded by _hs_lock)
         self._hs_lock = threading.Lock()
-        self._log_refused = _Throttle()
-        self._log_accept_error = _Throttle()
+        self._log_refused = LogThrottle()
+        self._log_accept_error = LogThrottle()
 
     def start(self) -> None:
         host, port = self.addr
@@ -1098,8 +1122,13 @@ class TCPFFNConnector(FFNConnector):
         return True
 
     def _accept_device(self, rank: int, sock: socket.socket, addr: str) -> None:
-        """After an accepted hello: set up a device data path (none here). Runs
+        """After an accepted hello: set up the data plane's side of the session. Runs
         in the handshake thread without the connector lock."""
+        link = Link(sock, f"attention rank {rank} at {addr}", self.timeout, rank, self.ctx.rank)
+        self.plane.attach(link, time.monotonic() + min(10.0, self.timeout))
+
+    def _link(self, p: Peer) -> Link:
+        return Link(p.sock, p.name, self.timeout, p.rank, self.ctx.rank)
 
     # -- serving -------------------------------------------------------------
     def wait_step(self, timeout: float) -> list[StepPeer]:
@@ -1396,6 +1425,8 @@ class TCPFFNConnector(FFNConnector):
             if current:
                 del self.peers[p.rank]
                 self.guests.discard(p.rank)
+        if current:
+            self.plane.detach(self._link(p))
         try:
             p.sock.close()
         except OSError:
@@ -1440,15 +1471,23 @@ class TCPFFNConnector(FFNConnector):
         return p
 
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
-        """This peer's layer input, waiting for it alone (the runner posts instead)."""
+        """This peer's layer input, waiting for it alone (with async_io the runner posts
+        instead): posted on the channel's connection, or the data plane's receive."""
         p = self._peer(peer)
+        if not self.async_io:
+            self.plane.recv(self._link(p), out)
+            p.last_seen = time.monotonic()
+            return
         self.post_recv(peer, out)
         self._wait(p, lambda: not p.owes())
         self.take(peer)
 
     def send(self, peer: StepPeer, y: torch.Tensor) -> None:
-        """This peer's layer output, until its socket took all of it."""
+        """This peer's layer output, until its socket took all of it (or the plane's)."""
         p = self._peer(peer)
+        if not self.async_io:
+            self.plane.send(self._link(p), y)
+            return
         self.post_send(peer, y)
         self._wait(p, lambda: not p.tx)
 
@@ -1464,6 +1503,34 @@ class TCPFFNConnector(FFNConnector):
                     pass
             self.peers.clear()
             self.guests.clear()
+        self.plane.close()
 
 
 register_connector("gloo", TCPAttentionConnector, TCPFFNConnector)
+
+
+def channel_connectors(
+    attention_plane: type[AttentionPlane], ffn_plane: type[FFNPlane], name: str
+) -> tuple[type[TCPAttentionConnector], type[TCPFFNConnector]]:
+    """The connector classes of a data plane: the control channel composed with the
+    plane's two sides. They add nothing but the plane (and its declared capabilities)."""
+
+    def init_attention(self, ctx: ConnectorContext) -> None:
+        TCPAttentionConnector.__init__(self, ctx, attention_plane(ctx))
+
+    def init_ffn(self, ctx: ConnectorContext) -> None:
+        TCPFFNConnector.__init__(self, ctx, ffn_plane(ctx))
+
+    attention = type(
+        f"{name}AttentionConnector",
+        (TCPAttentionConnector,),
+        {"__init__": init_attention, "graph_capable": attention_plane.graph_capable,
+         "dbo_capable": attention_plane.dbo_capable, "plane_class": attention_plane},
+    )  # fmt: skip
+    ffn = type(
+        f"{name}FFNConnector",
+        (TCPFFNConnector,),
+        {"__init__": init_ffn, "graph_capable": ffn_plane.graph_capable,
+         "dbo_capable": ffn_plane.dbo_capable, "plane_class": ffn_plane},
+    )  # fmt: skip
+    return attention, ffn

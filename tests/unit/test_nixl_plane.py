@@ -1,0 +1,172 @@
+"""The nixl data plane on the control channel (vllm.distributed.afd.nixl), with real NIXL
+agents (UCX) and real sockets on 127.0.0.1: layer exchanges of one and two attention ranks,
+micro-batched receives waited out of order, a restarted FFN rank met as a new agent (rejoin),
+a peer that is not a nixl FFN server refused by name, and registrations that end with the
+session."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tcp_lib import HIDDEN, Bg, make_ctx, wait_peers, wait_until
+
+from serve_util import free_port
+from vllm.afd import protocol as P
+from vllm.distributed.afd import nixl
+from vllm.distributed.afd.base import create_attention_connector, create_ffn_connector
+
+
+@pytest.fixture
+def made():
+    items = []
+    yield items
+    for c in reversed(items):
+        try:
+            c.close()
+        except Exception:
+            pass
+
+
+def _ffn(made, port, **kw):
+    c = create_ffn_connector(make_ctx("ffn", port, connector="nixl", **kw))
+    made.append(c)
+    c.start()
+    return c
+
+
+def _att(made, port, **kw):
+    c = create_attention_connector(make_ctx("attention", port, connector="nixl", **kw))
+    made.append(c)
+    return c
+
+
+def _layer(att, ffn, peer, t, dtype, bias):
+    """One layer's exchange. Each role drives its own agent's progress while it waits (no
+    progress thread), as its own process would: the FFN side serves from a thread."""
+    x = torch.randn(t, HIDDEN).to(dtype)
+    buf = torch.empty(t, HIDDEN, dtype=dtype)
+
+    def serve():
+        ffn.recv(peer, buf)
+        ffn.send(peer, buf + bias)
+
+    server = Bg(serve)
+    att.send(x)
+    out = torch.empty(t, HIDDEN, dtype=dtype)
+    assert att.recv(out) is out
+    server.get()
+    assert torch.equal(buf, x)
+    assert torch.equal(out, x + bias)
+
+
+def test_registry_composes_the_channel_with_the_nixl_plane(made):
+    port = free_port()
+    ffn = _ffn(made, port)
+    att = _att(made, port)
+    assert isinstance(att.plane, nixl.NixlAttentionPlane)
+    assert isinstance(ffn.plane, nixl.NixlFFNPlane)
+    assert att.dbo_capable and not att.graph_capable and ffn.survives_peer_loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_1a1f_steps_move_through_nixl_writes(made, dtype):
+    port = free_port()
+    ffn = _ffn(made, port)
+    att = _att(made, port)
+    Bg(att.connect).get()
+    wait_until(lambda: 0 in ffn.peers)
+    # more steps than inbox slots: the slots are reused in turn
+    for step in range(1, 2 * nixl.SLOTS):
+        t = 1 + step % 5
+        att.begin_step(step, t)
+        (peer,) = wait_peers(ffn, [0]).values()
+        for layer in range(2):
+            _layer(att, ffn, peer, t, dtype, bias=layer + 1)
+        att.end_step()
+    assert len(ffn.plane.sessions) == 1
+    att.close()
+    wait_until(lambda: not ffn.wait_step(0.05) and 0 not in ffn.peers, what="goodbye")
+    assert ffn.plane.sessions == {}  # the session's registrations ended with it
+
+
+def test_micro_batch_replies_are_taken_as_claimed_whatever_order_waited(made):
+    port = free_port()
+    ffn = _ffn(made, port)
+    att = _att(made, port)
+    Bg(att.connect).get()
+    wait_until(lambda: 0 in ffn.peers)
+    att.begin_step(1, 3, ubatch=(0, 2))
+    (peer,) = wait_peers(ffn, [0]).values()
+    xs = [torch.randn(3, HIDDEN), torch.randn(3, HIDDEN)]
+    outs = [torch.empty(3, HIDDEN), torch.empty(3, HIDDEN)]
+
+    def serve():
+        for i in range(2):
+            if i:
+                assert ffn.recv_control(peer).flags == P.ubatch_flags(1, 2)
+            buf = torch.empty(3, HIDDEN)
+            ffn.recv(peer, buf)
+            ffn.send(peer, buf * 10 + i)
+
+    server = Bg(serve)
+    att.send(xs[0])
+    w0 = att.recv_start(outs[0])
+    att.begin_step(1, 3, ubatch=(1, 2))
+    att.send(xs[1])
+    w1 = att.recv_start(outs[1])
+    assert torch.equal(w1(), xs[1] * 10 + 1)  # waited first, still micro-batch 1's reply
+    assert torch.equal(w0(), xs[0] * 10)
+    server.get()
+    att.end_step()
+
+
+def test_two_attention_ranks_share_one_ffn_agent(made):
+    port = free_port()
+    ffn = _ffn(made, port, m=2)
+    atts = [_att(made, port, m=2, rank=r) for r in range(2)]
+    for a in atts:
+        Bg(a.connect).get()
+    wait_until(lambda: {0, 1} <= set(ffn.peers))
+    for a in atts:
+        a.begin_step(1, 2)
+    peers = wait_peers(ffn, [0, 1])
+    for r, a in enumerate(atts):
+        _layer(a, ffn, peers[r], 2, torch.float32, bias=r)
+        a.end_step()
+
+
+def test_a_restarted_ffn_rank_is_a_new_agent_and_the_rank_rejoins(made):
+    port = free_port()
+    ffn = _ffn(made, port, timeout=3.0)
+    att = _att(made, port, timeout=3.0)
+    Bg(att.connect).get()
+    wait_until(lambda: 0 in ffn.peers)
+    first = att.plane.session.peer_agent
+    ffn.close()
+    wait_until(lambda: not att.is_up(), what="loss noticed by the heartbeat")
+    ffn2 = _ffn(made, port, timeout=3.0)
+    att.reconnect(time.monotonic() + 10)
+    wait_until(lambda: 0 in ffn2.peers)
+    assert att.plane.session.peer_agent not in (first, None)
+    assert first != ffn2.plane.agent.name
+    att.begin_step(7, 4)
+    (peer,) = wait_peers(ffn2, [0]).values()
+    _layer(att, ffn2, peer, 4, torch.float32, bias=3)
+    att.end_step()
+
+
+def test_a_gloo_ffn_server_is_refused_by_name(made):
+    """An attention rank of connector nixl meets an FFN rank of another connector: the
+    fingerprint names the connector, before any nixl metadata is sent."""
+    port = free_port()
+    from vllm.distributed.afd import tcp
+
+    ffn = tcp.TCPFFNConnector(make_ctx("ffn", port))
+    made.append(ffn)
+    ffn.start()
+    att = _att(made, port, timeout=1.0)
+    with pytest.raises(P.AFDHandshakeError, match=r"connector.*'nixl'.*'gloo'|connector.*'gloo'.*'nixl'"):
+        att.connect()
+    assert att.plane.session is None
