@@ -29,7 +29,7 @@ TREE_ARGS = $(if $(TREE),--tree $(TREE))
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply-patches export-patches check wheel wheel-cpu venv models bundle \
-        models-table demo test test-unit test-cpu test-oracle test-target test-gpu lint clean \
+        models-table status-page demo test test-unit test-cpu test-oracle test-target test-gpu lint clean \
         rebase rebase-continue rebase-abort rebase-report drift
 
 help: ## list the targets
@@ -44,9 +44,11 @@ apply-patches: ## pinned vLLM source + overlay + patches/series -> build/vllm (g
 export-patches: ## commits after the overlay commit in build/vllm -> patches/ and overlay/ (EXPORT_ARGS=--patches-only)
 	$(AFD) export $(TARGET_ARGS) $(EXPORT_ARGS)
 
-check: ## series applies strictly, re-export byte-identical, headers, prefixes compile; docs/upstream-status.md current
+check: ## series applies strictly, re-export byte-identical, headers, prefixes compile; generated docs current
 	$(AFD) check $(TARGET_ARGS) $(CHECK_ARGS)
 	$(AFD) rebase-report --verify --out docs/upstream-status.md
+	$(PY) scripts/models_table.py --check
+	$(PY) scripts/status_page.py --check
 
 wheel: apply-patches ## custom CUDA wheel -> dist/vllm-X+afd.<rev>-cp38-abi3-manylinux_2_28_x86_64.whl
 	$(AFD) wheel --variant cuda $(TARGET_ARGS)
@@ -62,6 +64,9 @@ models: venv ## tiny deterministic random-weight checkpoints -> build/models/ (b
 
 models-table: ## docs/models.md: the supported model families table from vllm.afd.architectures
 	$(PY) scripts/models_table.py
+
+status-page: ## docs/status.md and the connector matrix of docs/connectors.md from the spec records, the lines and docs/results/*.json
+	$(PY) scripts/status_page.py
 
 bundle: wheel ## offline install bundle for the GPU host -> dist/bundle/ (parts <= 48 MiB)
 	$(AFD) bundle $(TARGET_ARGS)
@@ -81,7 +86,7 @@ test-cpu: models ## real vLLM on the CPU: plain checkpoints and the AFD oracle
 # The unit tests (about two minutes on one core) run beside the CPU tests, whose engines
 # leave a core idle while they start, wait or restart; their output follows the CPU tests'.
 # Each of the two pytest runs hands out listen ports from its own part of the window
-# (AFD_PORT_WINDOW, scripts/serve_util.py): the CPU tests below TEST_PORT_SPLIT, the unit
+# (AFD_PORT_WINDOW, scripts/serve_util/ports.py): the CPU tests below TEST_PORT_SPLIT, the unit
 # tests from it up (serve_util clips the top at the kernel's ephemeral range).
 TEST_PORT_SPLIT = 31500
 test: fetch models ## everything CI runs: lint, make check, unit and CPU tests
@@ -100,31 +105,12 @@ test: fetch models ## everything CI runs: lint, make check, unit and CPU tests
 test-oracle: models ## the CPU oracle alone (AFD == plain vLLM); per target: VLLM_VERSION=X
 	AFD_MODELS_DIR=$(abspath $(MODELS)) $(VPY) -m pytest -q tests/cpu/test_afd_oracle.py $(PYTEST_ARGS)
 
-# The second target runs the oracle file except what depends on no vLLM code that differs
-# between targets beyond what its other cases start: the FFN group's 4A2F case (2A2F
-# runs), its DBO refusal (overlay logic), the attention-first start order (overlay retry
-# logic), the wrong-topology handshake (the same refusal path as the mismatched
-# layer count, which runs), and the two start-up timeouts with no peer at all (an attention
-# rank that reaches no FFN, an FFN that no attention rank reaches): their difference from
-# the mismatched layer count case lies in the overlay's connector alone (unit-tested in
-# test_tcp_connector), and that case runs the same failure paths on the target's engine (the
-# attention rank's connect raising out of the engine's start, the FFN's start-up timeout
-# ending its server). The ten model families' cases (test_oracle_family, about 6.5
-# min here) and the DBO case on the grouped-routing q-LoRA DeepSeek-V2 checkpoint (about 70
-# s; the DBO cases of the other checkpoints run) run on the primary pin in CI; on this
-# target they run with `make test-oracle VLLM_VERSION=0.32.0` (docs/models.md says when the
-# families last passed).
-TARGET_DESELECT = --deselect tests/cpu/test_afd_oracle.py::test_oracle_family \
-	--deselect tests/cpu/test_afd_oracle.py::test_oracle_dbo_grouped_routing_q_lora \
-	--deselect "tests/cpu/test_afd_oracle.py::test_oracle_ffn_group[deepseek_v2-4A2F]" \
-	--deselect tests/cpu/test_afd_oracle.py::test_ffn_group_refuses_micro_batched_steps \
-	--deselect tests/cpu/test_afd_oracle.py::test_oracle_attention_started_first \
-	--deselect tests/cpu/test_afd_oracle.py::test_wrong_topology_ends_both \
-	--deselect tests/cpu/test_afd_oracle.py::test_no_ffn_within_timeout \
-	--deselect tests/cpu/test_afd_oracle.py::test_no_attention_within_timeout
+# The per-line CPU check of the other lines: the oracle file and a `vllm serve` pair, without
+# the tests marked `primary_pin` (pyproject.toml; each says why it runs on the primary pin
+# only in CI; `make test-oracle VLLM_VERSION=X` runs them on line X).
 test-target: models ## per-target CPU runtime check: oracle, vllm serve pair, metrics and profiling
 	AFD_MODELS_DIR=$(abspath $(MODELS)) $(VPY) -m pytest -q --durations=15 tests/cpu/test_afd_oracle.py \
-		tests/cpu/test_afd_serve.py $(TARGET_DESELECT) $(PYTEST_ARGS)
+		tests/cpu/test_afd_serve.py -m "not primary_pin" $(PYTEST_ARGS)
 
 test-gpu: ## GPU tests (run on the GPU host): pytest -m gpu
 	$(PY) -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)

@@ -34,7 +34,7 @@ device span of its host step span (with DBO there is one per stream, many per st
 connectors) they come from the ``afd.*`` annotations of vllm/afd (``afd.send``,
 ``afd.ffn_wait``, ``afd.recv``, ``afd.ffn_compute``, ``afd.ffn_step``).
 
-The bound the GPU issue asks about: ``max(attention, FFN compute) + transfer``, with
+The bound of a step: ``max(attention, FFN compute) + transfer``, with
 transfer = attention ``send`` + FFN ``send``; the gap is ``step - bound``. Without DBO a
 step is serial (attention + wait), so the gap is about ``min(attention, FFN compute)``:
 what overlap could win at most.

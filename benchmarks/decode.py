@@ -26,6 +26,18 @@ the machine one after the other, never at once.
 ``--routing balanced`` sets ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY=afd_balanced`` (expert
 load spread evenly; changes outputs, benchmarks only); ``model`` uses the checkpoint's
 router; ``both`` runs each. Prints a table and, with ``--json FILE``, writes the figures.
+
+``--engines M`` runs M engines at once: AFD with M attention ranks of one FFN rank (MA1F),
+``plain`` as M replicas of batch b, and ``plain_one`` as ONE plain engine of batch M x b
+(the same total concurrency; its KV cache M times ``--kv-cache-memory-bytes``): what a user
+with one GPU runs instead of either. The table gives every mode's throughput against the
+replicas and against that one engine.
+
+Beside every figure the table prints the step's roofline (``vllm.afd.plan``): the bytes it
+must move (the weights each process reads, the experts its tokens touch, the KV cache at
+the mean context ``input + output / 2``) and its FLOPs, over the card's HBM bandwidth and
+matrix peak (``--card``, by default from the engines' device name; ``--hbm-tbs`` and
+``--tflops`` for another device, e.g. the CPU), and the measured step as a fraction of it.
 """
 
 from __future__ import annotations
@@ -43,9 +55,10 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-# Ports below the ephemeral range (scripts/serve_util.py says why).
+# Ports below the ephemeral range (scripts/serve_util/ports.py says why).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import mps  # noqa: E402  (benchmarks/mps.py)
+import roofline  # noqa: E402  (benchmarks/roofline.py)
 
 from serve_util import (  # noqa: E402
     cuda_visible_devices,
@@ -133,6 +146,8 @@ def engine_kwargs(a) -> dict:
             kw["afd_config"]["rank"] = a.attention_rank
     if a.compilation_config:
         kw["compilation_config"] = json.loads(a.compilation_config)
+    if not kw["enforce_eager"]:
+        kw["compilation_config"] = graph_sizes_for(kw.get("compilation_config") or {}, a.batch)
     if a.profile_dir:
         # benchmarks/breakdown.py: traces of the same decode steps on both roles; the
         # delay skips the profiled run's prefill and first decode steps.
@@ -150,6 +165,16 @@ def engine_kwargs(a) -> dict:
             kw["dbo_decode_token_threshold"] = a.dbo_threshold
             kw["dbo_prefill_token_threshold"] = a.dbo_threshold
     return kw
+
+
+def graph_sizes_for(cc: dict, batch: int) -> dict:
+    """The compilation config of an engine of decode batch ``batch``: vLLM captures decode
+    graphs up to min(2 x max_num_seqs, 512) tokens unless told, so a batch over 512 (the
+    one engine of M x b) would decode without a graph where the replicas of b have one;
+    this raises the largest captured size to the batch where no size was given."""
+    if batch <= 512 or "max_cudagraph_capture_size" in cc or "cudagraph_capture_sizes" in cc:
+        return cc
+    return {**cc, "max_cudagraph_capture_size": batch}
 
 
 # ------------------------------------------------------------------ child roles
@@ -239,6 +264,7 @@ def run_generate(a) -> int:
         llm.stop_profile()
     best = min(runs, key=lambda r: r["tpot_s"])
     Path(a.out).write_text(json.dumps({
+        "device": device_name(),
         # The best full-length run's figures, and every full-length run's.
         **{k: v for k, v in best.items() if k != "step_s"}, "full_runs": runs,
         # The earlier estimate from two lengths: their prefills cancel, but the noise of
@@ -246,6 +272,13 @@ def run_generate(a) -> int:
         "tpot_diff_s": (t_full - t_half) / (a.output_len - half),
         "prefill_s": t_prefill, "half_s": t_half, "full_s": t_full}))
     return 0
+
+
+def device_name() -> str:
+    """The CUDA device's name (the roofline's card), "cpu" without one."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 def run_ffn(a) -> int:
@@ -303,12 +336,23 @@ def tail(path: Path, n: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
 
 
+def engines_of(a, mode: str) -> int:
+    """Engines a mode runs at once: one for ``plain_one``, ``--engines`` otherwise."""
+    return 1 if mode == "plain_one" else a.engines
+
+
+def engine_batch(a, mode: str, batch: int) -> int:
+    """The decode batch of each engine of a mode: ``plain_one`` takes all M engines'."""
+    return a.engines * batch if mode == "plain_one" else batch
+
+
 def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch: int,
             rnd: int = 0) -> dict:
-    """One configuration: plain (``--engines`` replicas at once) or AFD (one FFN rank serving
-    ``--engines`` attention ranks) in round ``rnd`` (its logs and traces named apart). Per
-    engine its TPOT; the result adds them up."""
-    afd = mode != "plain"
+    """One configuration: plain (``--engines`` replicas at once), plain_one (one engine of
+    ``--engines`` x batch) or AFD (one FFN rank serving ``--engines`` attention ranks) in
+    round ``rnd`` (its logs and traces named apart). Per engine its TPOT; the result adds
+    them up (``batch`` is the batch per replica or attention rank)."""
+    afd = mode.startswith("afd")
     env = dict(os.environ)
     if a.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -324,8 +368,8 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
             ffn, args = start_ffn(a, args, env, mode, tag, work, want_bd)
         elif a.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = a.attention_gpu
-        per_engine = run_engines(a, args, env, tag, work, afd)
-        result = combine(per_engine, batch)
+        per_engine = run_engines(a, args, env, tag, work, afd, engines_of(a, mode))
+        result = combine(per_engine, engine_batch(a, mode, batch))
         if want_bd:
             try:
                 result["breakdown"] = run_breakdown(
@@ -385,19 +429,20 @@ def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,
     return child(a, "ffn", ffn_args, ffn_env, work / f"{tag}_ffn.log"), args
 
 
-def run_engines(a, args: list[str], env: dict, tag: str, work: Path, afd: bool) -> list[dict]:
-    """``--engines`` generate children at once (attention ranks 0..M-1 with AFD), their
+def run_engines(a, args: list[str], env: dict, tag: str, work: Path, afd: bool,
+                engines: int) -> list[dict]:
+    """``engines`` generate children at once (attention ranks 0..M-1 with AFD), their
     timed runs aligned by ``barrier``; each one's figures."""
-    sync = Path(tempfile.mkdtemp(prefix="sync-", dir=work)) if a.engines > 1 else None
+    sync = Path(tempfile.mkdtemp(prefix="sync-", dir=work)) if engines > 1 else None
     procs = []
-    for i in range(a.engines):
-        name = tag if a.engines == 1 else f"{tag}_e{i}"
+    for i in range(engines):
+        name = tag if engines == 1 else f"{tag}_e{i}"
         e_args = [*args, "--out", str(work / f"{name}.json")]
         e_env = dict(env)
         if afd:
             e_args += ["--attention-rank", str(i)]
         if sync is not None:
-            e_env.update({SYNC_DIR_ENV: str(sync), SYNC_N_ENV: str(a.engines),
+            e_env.update({SYNC_DIR_ENV: str(sync), SYNC_N_ENV: str(engines),
                           SYNC_RANK_ENV: str(i)})
         procs.append((name, child(a, "generate", e_args, e_env, work / f"{name}.log")))
     deadline = time.monotonic() + a.timeout
@@ -421,14 +466,15 @@ def run_engines(a, args: list[str], env: dict, tag: str, work: Path, afd: bool) 
 
 def combine(per_engine: list[dict], batch: int) -> dict:
     """One engine: its figures. Several: decode throughput is the sum of theirs, the times
-    the mean (``engines`` keeps each one's)."""
+    the mean (``engines`` keeps each one's). ``batch`` is each engine's."""
     if len(per_engine) == 1:
-        return dict(per_engine[0])
+        return {**per_engine[0], "decode_tok_s": batch / per_engine[0]["tpot_s"]}
     n = len(per_engine)
     mean = {key: sum(r[key] for r in per_engine) / n
             for key in ("tpot_s", "itl_median_s", "tpot_diff_s", "prefill_s", "full_s")}
     return {**mean,
             "decode_tok_s": sum(batch / r["tpot_s"] for r in per_engine),
+            "device": per_engine[0].get("device"),
             "engines": per_engine}
 
 
@@ -440,8 +486,9 @@ def summarize(results: list[dict], batches: list[int], routings: list[str],
               modes: list[str]) -> list[dict]:
     """One row per (batch, routing, mode): its median run by decode throughput (of an even
     number of runs, the slower of the middle two), the range of its runs' TPOT, and the
-    throughput against plain vLLM's median run of the same batch and routing (None without
-    a plain run)."""
+    throughput against plain vLLM's median run of the same batch and routing (``vs_plain``:
+    the replicas with --engines M) and against the one plain engine of M x b
+    (``vs_one``); None without that run."""
     rows = []
     for batch in batches:
         for routing in routings:
@@ -452,6 +499,8 @@ def summarize(results: list[dict], batches: list[int], routings: list[str],
                 median[mode] = (median_run(runs, lambda r, b=batch: decode_tok_s(r, b)),
                                 [r["tpot_s"] for r in runs])  # fmt: skip
             plain = decode_tok_s(median["plain"][0], batch) if "plain" in median else None
+            one = (decode_tok_s(median["plain_one"][0], batch) if "plain_one" in median
+                   else None)
             for mode in modes:
                 run, tpots = median[mode]
                 tok_s = decode_tok_s(run, batch)
@@ -459,7 +508,8 @@ def summarize(results: list[dict], batches: list[int], routings: list[str],
                              "runs": len(tpots), "tpot_s": run["tpot_s"],
                              "tpot_min_s": min(tpots), "tpot_max_s": max(tpots),
                              "decode_tok_s": tok_s,
-                             "vs_plain": tok_s / plain if plain else None})  # fmt: skip
+                             "vs_plain": tok_s / plain if plain else None,
+                             "vs_one": tok_s / one if one else None})  # fmt: skip
     return rows
 
 
@@ -508,9 +558,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "every other round; the table gives each mode's median run (by "
                         "throughput) and the range of the runs' TPOT")
     p.add_argument("--routing", choices=["model", "balanced", "both"], default="model")
-    p.add_argument("--modes", default="plain,afd",
-                   help="comma list of plain, afd, afd_dbo (AFD with --enable-dbo on the "
-                   "attention role)")
+    p.add_argument("--modes", default=None,
+                   help="comma list of plain, plain_one, afd, afd_dbo (AFD with --enable-dbo "
+                   "on the attention role); plain_one (--engines M): one plain engine of M x "
+                   "batch. Default: plain,afd; with --engines M: plain,plain_one,afd")
     p.add_argument("--dbo-threshold", type=int, default=None,
                    help="afd_dbo: decode and prefill token threshold for micro-batches "
                    "(default: vLLM's)")
@@ -543,6 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "roles and print the per-layer breakdown (benchmarks/breakdown.py)")
     p.add_argument("--trace-dir", help="--breakdown: keep the traces here (default: a "
                    "temporary directory)")
+    roofline.add_arguments(p)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--_role", help=argparse.SUPPRESS)
@@ -570,12 +622,24 @@ def main() -> int:
     print_header(a, batches, routings, modes)
     results = run_sweep(a, common_args(a), batches, routings, modes)
     summary = summarize(results, batches, routings, modes)
+    card = bounds = None
+    model, why = roofline_model(a)
+    if model is not None:
+        card, why = roofline_card(a, results)
+    if card is not None:
+        add_bounds(a, summary, model, card)
+        bounds = {"card": card.name, "hbm_tbs": card.hbm_tbs, "bf16_tflops": card.bf16_tflops,
+                  "context": a.input_len + a.output_len / 2}
+        print("\n" + roofline.describe(card, model, bounds["context"]), flush=True)
+    else:
+        print(f"\n{why}", flush=True)
     print_table(a, summary)
     print_breakdowns(a, results)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "mps": a.mps, "engines": a.engines,
-                                            "rounds": a.rounds, "summary": summary,
-                                            "results": results}, indent=1))
+                                            "rounds": a.rounds, "roofline": bounds,
+                                            "summary": summary, "results": results},
+                                           indent=1))
     failed = [r for r in results if "breakdown_error" in r]
     for r in failed:
         print(f"breakdown failed: batch {r['batch']} {r['mode']}: {r['breakdown_error']}",
@@ -609,12 +673,17 @@ def check_sweep(p: argparse.ArgumentParser, a) -> tuple[list[int], list[str], li
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
     routings = ["model", "balanced"] if a.routing == "both" else [a.routing]
+    if a.modes is None:
+        a.modes = "plain,afd" if a.engines == 1 else "plain,plain_one,afd"
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = set(modes) - {"plain", "afd", "afd_dbo"}
+    bad = set(modes) - {"plain", "plain_one", "afd", "afd_dbo"}
     if bad:
         p.error(f"unknown mode(s) {sorted(bad)}")
+    if "plain_one" in modes and a.engines < 2:
+        p.error("--modes plain_one needs --engines 2 or more (with one engine it is plain)")
     if len(set(modes)) < len(modes):
         p.error(f"--modes {a.modes}: a mode given twice (--rounds N measures each N times)")
+    roofline.check_arguments(p, a)
     return batches, routings, modes
 
 
@@ -644,8 +713,8 @@ def print_header(a, batches: list[int], routings: list[str], modes: list[str]) -
           f"compilation {a.compilation_config or ('compile' if a.compile else 'eager')}"
           + (f"; AFD cores attention {a.attention_cpus} / FFN {a.ffn_cpus}" if a.ffn_cpus
              else "")
-          + (f"; {a.engines} engines at once (AFD {a.engines}A1F, plain x{a.engines})"
-             if a.engines > 1 else "")
+          + (f"; {a.engines} engines at once (AFD {a.engines}A1F, plain x{a.engines}, "
+             f"plain_one: one engine of {a.engines} x batch)" if a.engines > 1 else "")
           + (f"; GPU sharing: {'MPS' if a.mps else 'time-sliced (no MPS)'}"
              if a.device == "cuda" else ""), flush=True)
     for note in (shared_gpu_note(a.device, modes, a.attention_gpu, a.ffn_gpu, a.mps),
@@ -666,15 +735,15 @@ def run_sweep(a, common: list[str], batches: list[int], routings: list[str],
     with workdir as tmp, mps.daemon(a.mps) as mps_env:
         os.environ.update(mps_env)  # every engine this run starts inherits it
         for batch in batches:
-            base = [*common, "--batch", str(batch)]
             for routing in routings:
                 for rnd, mode in rounds_of(modes, a.rounds):
                     t0 = time.perf_counter()
+                    base = mode_args(a, common, mode, batch)
                     r = measure(a, base, mode, routing, Path(tmp), batch, rnd)
                     r.update(mode=mode, routing=routing, batch=batch, round=rnd,
                              wall_s=time.perf_counter() - t0)
                     results.append(r)
-                    print(f"  batch {batch:4d} {mode:7s} routing={routing:8s} "
+                    print(f"  batch {batch:4d} {mode:9s} routing={routing:8s} "
                           f"TPOT {r['tpot_s'] * 1e3:8.2f} ms (median step "
                           f"{r['itl_median_s'] * 1e3:.2f}, two lengths "
                           f"{r['tpot_diff_s'] * 1e3:.2f})  decode "
@@ -685,18 +754,77 @@ def run_sweep(a, common: list[str], batches: list[int], routings: list[str],
     return results
 
 
+def mode_args(a, common: list[str], mode: str, batch: int) -> list[str]:
+    """The measuring processes' arguments for one mode at ``batch`` per replica or
+    attention rank: ``plain_one`` runs M x batch sequences in one engine, with M times the
+    KV cache each replica gets (the replicas' memory together)."""
+    args = [*common, "--batch", str(engine_batch(a, mode, batch))]
+    if mode == "plain_one" and a.kv_cache_memory_bytes:
+        i = args.index("--kv-cache-memory-bytes")
+        args[i + 1] = str(a.kv_cache_memory_bytes * a.engines)
+    return args
+
+
 def print_table(a, summary: list[dict]) -> None:
-    """Each mode's TPOT, decode throughput and ratio to plain vLLM."""
+    """Each mode's TPOT, decode throughput, ratios to plain vLLM (the replicas and, with
+    --engines M, the one engine of M x b) and the step as a fraction of its roofline."""
     span = f", median of {a.rounds} rounds (range)" if a.rounds > 1 else ""
-    print(f"\nbatch routing   mode      TPOT ms     tok/s   vs plain (throughput ratio)"
-          f"   [{a.engines} engine(s) per mode" + (f", {'MPS' if a.mps else 'no MPS'}"
+    many = a.engines > 1
+    bounds = any(r.get("bound_s") for r in summary)
+    print("\nbatch routing   mode        TPOT ms     tok/s  "
+          + (f"vs x{a.engines}  vs 1x{a.engines}b" if many else "vs plain")
+          + ("   bound ms  bound tok/s  of bound" if bounds else "")
+          + f"   [{a.engines} engine(s) per mode" + (f", {'MPS' if a.mps else 'no MPS'}"
                                                    if a.device == "cuda" else "") + f"{span}]")
     for row in summary:
-        ratio = f"{row['vs_plain']:6.2f}x" if row["vs_plain"] is not None else "-"
-        spread = (f"   ({row['tpot_min_s'] * 1e3:.2f}-{row['tpot_max_s'] * 1e3:.2f} ms)"
-                  if a.rounds > 1 else "")
-        print(f"{row['batch']:5d} {row['routing']:9s} {row['mode']:8s} "
-              f"{row['tpot_s'] * 1e3:8.2f} {row['decode_tok_s']:9.1f}   {ratio}{spread}")
+        line = (f"{row['batch']:5d} {row['routing']:9s} {row['mode']:9s} "
+                f"{row['tpot_s'] * 1e3:9.2f} {row['decode_tok_s']:9.1f}  "
+                f"{_ratio(row['vs_plain']):>6s}")
+        if many:
+            line += f"  {_ratio(row.get('vs_one')):>8s}"
+        if bounds:
+            line += (f"   {row['bound_s'] * 1e3:8.2f}  {row['bound_tok_s']:11.0f}  "
+                     f"{row['of_bound']:8.1%}" if row.get("bound_s") else "   -")
+        if a.rounds > 1:
+            line += f"   ({row['tpot_min_s'] * 1e3:.2f}-{row['tpot_max_s'] * 1e3:.2f} ms)"
+        print(line)
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:.2f}x" if x is not None else "-"
+
+
+# ------------------------------------------------------------------ roofline
+def roofline_model(a):
+    """The roofline's model of ``--model``'s config in ``--dtype`` (benchmarks/roofline.py);
+    (None, reason) where it cannot be read."""
+    return roofline.model_for(a.model, a.dtype)
+
+
+def roofline_card(a, results: list[dict]):
+    """The roofline's card: ``--card``, else the one the engines ran on (their device
+    name), with ``--hbm-tbs``/``--tflops`` over it (benchmarks/roofline.py)."""
+    return roofline.card_for(a.card, a.hbm_tbs, a.tflops,
+                             [r["device"] for r in results if r.get("device")])
+
+
+def add_bounds(a, summary: list[dict], model, card) -> None:
+    """Each summary row's roofline (vllm.afd.plan.step_bound): the bound of its step, the
+    tokens/s that allows, and the measured step as a fraction of it (``of_bound``: the
+    bound over the measured TPOT). Context: the mean over the timed decode, input +
+    output / 2. Routing: balanced as run; the model's router as uniform (a trained
+    router's batch is close to it; dummy weights may touch fewer experts)."""
+    from vllm.afd import plan
+
+    same_gpu = a.device != "cuda" or a.attention_gpu == a.ffn_gpu
+    context = a.input_len + a.output_len / 2
+    for row in summary:
+        mode = "afd" if row["mode"].startswith("afd") else row["mode"]
+        routing = roofline.routing_of(row["routing"])
+        b = plan.step_bound(model, card, mode, a.engines, row["batch"], context, routing,
+                            same_gpu)
+        row.update(bound_s=b.step_s, bound_tok_s=b.tok_s, of_bound=b.step_s / row["tpot_s"],
+                   bound_limit=b.limit, bound_bytes=b.bytes)
 
 
 def print_breakdowns(a, results: list[dict]) -> None:

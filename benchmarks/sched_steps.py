@@ -3,7 +3,7 @@ chunk (mixed steps, which FULL_DECODE_ONLY CUDA graphs do not cover: they run wi
 graph) and how many are pure decode (replayed from a graph, padded up to a capture size).
 
 A serving figure is only as good as this split: with ``--max-num-batched-tokens`` equal to
-``--max-num-seqs`` (the GPU issue's reference configuration: 64 and 64, 64 requests of 64 +
+``--max-num-seqs`` (the reference serving configuration of docs/benchmarks.md: 64 and 64, 64 requests of 64 +
 256 tokens sent at once) the running requests' decode tokens take most of each step's token
 budget and the waiting prompts are prefilled in ever smaller chunks, so about half of the
 steps are mixed. The split depends on the scheduler only, not on the model's size, so a tiny

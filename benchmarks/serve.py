@@ -1,6 +1,6 @@
 """Serving benchmark through the OpenAI API: plain vLLM vs AFD 1A1F, with ``vllm bench serve``.
 
-The GPU issue's reference figures were taken this way (64 requests of 64 prompt and 256
+The reference serving configuration (docs/benchmarks.md) runs this way (64 requests of 64 prompt and 256
 output tokens sent at once, at most 64 sequences and 64 batched tokens per step, FULL decode
 graphs of size 64); on the GPU host, after ``benchmarks/make_shape.py --preset
 deepseek-v2-lite --out CONFIG_DIR``::
@@ -18,9 +18,16 @@ On the CPU (tiny checkpoint, a functional check rather than a figure)::
 Modes: ``plain`` (one ``vllm serve``), ``afd`` (an FFN server and an attention server),
 ``afd_dbo`` (the same, the attention server with ``--enable-dbo``), ``plain_x2`` (two plain
 servers, one per GPU, each sent ``--num-prompts`` requests at once, figures summed: what a
-user with two GPUs would run instead of AFD 1A1F). Every mode's servers are started, measured
-and stopped before the next mode's. Figures per mode, from ``vllm bench serve``'s result:
-output tokens/s, requests/s, mean and median TPOT and TTFT, the duration.
+user with two GPUs would run instead of AFD 1A1F), ``plain_one`` (ONE plain server sent
+plain_x2's total, 2 x ``--num-prompts`` requests at once, with its per-server sizes doubled:
+``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-cache-memory-bytes`` and the
+compilation config's CUDA graph sizes: what a user with one GPU runs instead of two
+replicas). Every mode's servers are started, measured and stopped before the next mode's.
+Figures per mode, from ``vllm bench serve``'s result: output tokens/s, requests/s, mean and
+median TPOT and TTFT, the duration; the table gives each against plain, against
+``plain_one`` where it ran, and against the roofline of a decode step at the mode's
+concurrency (benchmarks/roofline.py: the bytes and FLOPs of the step over the card's
+figures; serving also spends time on prefill, so the fraction is below decode's).
 
 ``--routing balanced`` starts every server (plain and both AFD roles) with
 ``VLLM_MOE_ROUTING_SIMULATION_STRATEGY=afd_balanced``: each step spreads its tokens over all
@@ -45,10 +52,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import mps  # noqa: E402  (benchmarks/mps.py)
+import roofline  # noqa: E402  (benchmarks/roofline.py)
 
 import serve_util as su  # noqa: E402
 
-MODES = ("plain", "afd", "afd_dbo", "plain_x2")
+MODES = ("plain", "afd", "afd_dbo", "plain_x2", "plain_one")
+# plain_one serves the requests of plain_x2's two replicas in one server.
+ONE_OF = 2
+# Per-server sizes that plain_one doubles.
+SCALED_FLAGS = ("--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-memory-bytes")
 # vllm bench serve's result keys reported here (summed over plain_x2's replicas where
 # marked True, averaged otherwise).
 FIGURES = {
@@ -79,8 +91,9 @@ def ffn_captures(log_text: str) -> list[dict]:
             for m in CAPTURE_LINE.finditer(log_text)]
 
 
-def bench_command(a, url: str, result_dir: Path, name: str) -> list[str]:
-    """argv of the ``vllm bench serve`` client against the server at ``url``."""
+def bench_command(a, url: str, result_dir: Path, name: str, factor: int = 1) -> list[str]:
+    """argv of the ``vllm bench serve`` client against the server at ``url``; ``factor``
+    times the requests (and the concurrency and warm-ups): plain_one's."""
     return [
         *su.vllm_cli(), "bench", "serve",
         "--backend", "vllm", "--base-url", url,
@@ -88,10 +101,10 @@ def bench_command(a, url: str, result_dir: Path, name: str) -> list[str]:
         "--dataset-name", "random",
         "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
         "--random-range-ratio", "0",
-        "--num-prompts", str(a.num_prompts),
-        "--max-concurrency", str(a.max_concurrency or a.num_prompts),
+        "--num-prompts", str(factor * a.num_prompts),
+        "--max-concurrency", str(factor * (a.max_concurrency or a.num_prompts)),
         "--request-rate", "inf", "--ignore-eos", "--seed", "0",
-        "--num-warmups", str(a.warmups),
+        "--num-warmups", str(factor * a.warmups),
         "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json",
     ]  # fmt: skip
 
@@ -100,6 +113,38 @@ def server_args(a) -> list[str]:
     args = ["--load-format", a.load_format, "--seed", "0", "--no-enable-prefix-caching",
             "--max-model-len", str(a.input_len + a.output_len + 16)]
     return args + shlex.split(a.serve_args or "")
+
+
+def scaled_args(args: list[str], factor: int) -> list[str]:
+    """Server flags with every per-server size ``factor`` times as large (``SCALED_FLAGS``,
+    as ``--flag N`` or ``--flag=N``; in a ``--compilation-config`` JSON the CUDA graph
+    capture sizes and their maximum): one server taking the load of ``factor``."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        flag, eq, val = arg.partition("=")
+        if flag in (*SCALED_FLAGS, "--compilation-config", "-cc"):
+            if not eq:
+                if i + 1 >= len(args):
+                    raise ValueError(f"{flag} without a value")
+                val, i = args[i + 1], i + 1
+            val = (_scaled_compilation(val, factor) if flag in ("--compilation-config", "-cc")
+                   else str(int(val) * factor))
+            out += [f"{flag}={val}"] if eq else [flag, val]
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def _scaled_compilation(text: str, factor: int) -> str:
+    cfg = json.loads(text)
+    if "cudagraph_capture_sizes" in cfg:
+        sizes = sorted(set(cfg["cudagraph_capture_sizes"]))
+        cfg["cudagraph_capture_sizes"] = sorted(set(sizes) | {s * factor for s in sizes})
+    if cfg.get("max_cudagraph_capture_size"):
+        cfg["max_cudagraph_capture_size"] *= factor
+    return json.dumps(cfg)
 
 
 def server_env(a, own: str, peer: str | None) -> dict[str, str]:
@@ -111,12 +156,13 @@ def server_env(a, own: str, peer: str | None) -> dict[str, str]:
 
 
 def start(a, name: str, work: Path, *, afd: dict | None = None, env: dict | None = None,
-          extra: list[str] | None = None) -> su.Server:
+          extra: list[str] | None = None, factor: int = 1) -> su.Server:
     port = su.free_port()
     print(f"  starting {name} server (port {port}, log {work / f'{name}.log'})", flush=True)
+    args = [*server_args(a), *(extra or [])]
     return su.Server.start(name, a.model, port, work / f"{name}.log", afd_config=afd,
                            python=sys.executable, env=env,
-                           extra_args=[*server_args(a), *(extra or [])],
+                           extra_args=scaled_args(args, factor) if factor > 1 else args,
                            cpu_args=a.device == "cpu")
 
 
@@ -129,6 +175,9 @@ def servers_for(a, mode: str, work: Path) -> list[su.Server]:
         if mode == "plain":
             servers.append(start(a, "plain", work, env=server_env(a, a.attention_gpu, None),
                                  extra=plain_extra))
+        elif mode == "plain_one":
+            servers.append(start(a, "plain_one", work, env=server_env(a, a.attention_gpu, None),
+                                 extra=plain_extra, factor=ONE_OF))
         elif mode == "plain_x2":
             for i, gpu in enumerate((a.attention_gpu, a.ffn_gpu)):
                 servers.append(start(a, f"plain_x2_{i}", work, env=server_env(a, gpu, None),
@@ -160,7 +209,8 @@ def run_clients(a, mode: str, clients: list[su.Server], work: Path) -> list[dict
     procs = []
     for srv in clients:
         log = open(work / f"{srv.name}_bench.log", "w")
-        cmd = bench_command(a, srv.url, work, f"{srv.name}_result")
+        cmd = bench_command(a, srv.url, work, f"{srv.name}_result",
+                            ONE_OF if mode == "plain_one" else 1)
         procs.append((srv, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL), log))
     deadline = time.monotonic() + a.timeout
@@ -209,7 +259,7 @@ def measure(a, mode: str, work: Path) -> dict:
     if mode.startswith("afd"):
         fig["ffn_graph_captures"] = ffn_captures(
             servers[1].log_path.read_text(errors="replace"))
-    want = a.num_prompts * len(results)
+    want = a.num_prompts * len(results) * (ONE_OF if mode == "plain_one" else 1)
     if int(fig.get("completed", 0)) != want:
         raise BenchError(f"{mode}: {fig.get('completed')} of {want} requests completed")
     return fig
@@ -256,6 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start every mode's servers N times, the modes' order reversed every "
                    "other round; the table gives each mode's median run by output throughput "
                    "(one H200's engines differed by several percent from start to start)")
+    roofline.add_arguments(p)
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args(argv)
     if a.rounds < 1:
@@ -281,6 +332,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.warmups = a.num_prompts
     elif a.warmups < 0:
         p.error("--warmups must be at least 0")
+    if "plain_one" in modes:
+        try:
+            scaled_args(shlex.split(a.serve_args or "") + shlex.split(a.plain_args or ""),
+                        ONE_OF)
+        except (ValueError, json.JSONDecodeError) as e:
+            p.error(f"--modes plain_one: cannot double the server sizes: {e}")
+    roofline.check_arguments(p, a)
     a.modes = modes
     return a
 
@@ -297,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                  su.dummy_routing_note(a.load_format, [a.routing])):
         if note:
             print(note, file=sys.stderr, flush=True)
+    model, card = roofline_setup(a)
     results = []
     with tempfile.TemporaryDirectory(prefix="afd-serve-bench-") as tmp, \
             mps.daemon(a.mps) as mps_env:
@@ -313,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} failed: {e}", file=sys.stderr, flush=True)
                 return 1
             fig.update(mode=mode, round=rnd, wall_s=time.perf_counter() - t0)
+            if card is not None:
+                b = serve_bound(a, mode, model, card)
+                fig.update(bound_tok_s=b.tok_s, of_bound=fig["output_throughput"] / b.tok_s,
+                           bound_step_s=b.step_s)
             results.append(fig)
             write_json(a, results)  # each run as it ends: a run cut short keeps them
             print(f"  {name:9s} output {fig['output_throughput']:9.1f} tok/s  "
@@ -335,17 +398,70 @@ def median_runs(results: list[dict], modes: list[str]) -> dict[str, dict]:
 
 
 def print_table(a, results: list[dict]) -> None:
+    """Each mode's median run: output tok/s against plain and, where it ran, against the
+    one server of plain_x2's load (``plain_one``), TPOT, TTFT, and the decode roofline at
+    the mode's concurrency with the output rate as a fraction of it."""
     median = median_runs(results, a.modes)
-    base = median.get("plain")
+    base, one = median.get("plain"), median.get("plain_one")
+    bounds = any(r.get("bound_tok_s") for r in median.values())
     span = f"   [median of {a.rounds} rounds]" if a.rounds > 1 else ""
-    print(f"\nmode       output tok/s   vs plain   mean TPOT ms   mean TTFT ms{span}")
+    print("\nmode       output tok/s   vs plain" + ("  vs plain_one" if one else "")
+          + "   mean TPOT ms   mean TTFT ms"
+          + ("   decode bound tok/s  of bound" if bounds else "") + span)
     for mode, r in median.items():
-        ratio = f"{r['output_throughput'] / base['output_throughput']:7.2f}x" if base else "-"
+        tput = r["output_throughput"]
+        ratio = f"{tput / base['output_throughput']:7.2f}x" if base else "-"
         runs = sorted(x["output_throughput"] for x in results if x["mode"] == mode)
         spread = f"   ({runs[0]:.1f}-{runs[-1]:.1f} tok/s)" if len(runs) > 1 else ""
-        print(f"{mode:10s} {r['output_throughput']:12.1f}   {ratio:>8s}   "
+        vs_one = (f"  {tput / one['output_throughput']:11.2f}x" if one else "")
+        bound = (f"   {r['bound_tok_s']:18.0f}  {tput / r['bound_tok_s']:8.1%}"
+                 if r.get("bound_tok_s") else ("   -" if bounds else ""))
+        print(f"{mode:10s} {tput:12.1f}   {ratio:>8s}{vs_one}   "
               f"{r.get('mean_tpot_ms', float('nan')):12.2f}   "
-              f"{r.get('mean_ttft_ms', float('nan')):12.1f}{spread}")
+              f"{r.get('mean_ttft_ms', float('nan')):12.1f}{bound}{spread}")
+
+
+def serve_bound(a, mode: str, model, card):
+    """The roofline of one decode step of a mode with every request running (concurrency
+    ``--max-concurrency`` or ``--num-prompts`` per client): plain one engine; plain_x2 two
+    replicas (their bytes add up on one GPU under MPS, else each GPU bounds its own);
+    plain_one one engine of both replicas' load; AFD its two roles (one GPU or two)."""
+    from dataclasses import replace
+
+    from vllm.afd import plan
+
+    n = min(a.num_prompts, a.max_concurrency or a.num_prompts)
+    ctx = a.input_len + a.output_len / 2
+    routing = roofline.routing_of(a.routing)
+    one_gpu = a.device != "cuda" or a.attention_gpu == a.ffn_gpu
+    if mode == "plain":
+        return plan.step_bound(model, card, "plain", 1, n, ctx, routing)
+    if mode == "plain_one":
+        return plan.step_bound(model, card, "plain_one", ONE_OF, n, ctx, routing)
+    if mode == "plain_x2":
+        if one_gpu:
+            return plan.step_bound(model, card, "plain", 2, n, ctx, routing)
+        b = plan.step_bound(model, card, "plain", 1, n, ctx, routing)
+        return replace(b, tokens=2 * n)  # each GPU its replica's step
+    return plan.step_bound(model, card, "afd", 1, n, ctx, routing, same_gpu=one_gpu)
+
+
+def roofline_setup(a):
+    """The roofline's model (the served config in --dtype of --serve-args) and card (by
+    --card, or the attention GPU's name); (None, None) with the reason printed."""
+    serve = shlex.split(a.serve_args or "")
+    dtype = next((serve[i + 1] for i, x in enumerate(serve[:-1]) if x == "--dtype"), None)
+    dtype = next((x.split("=", 1)[1] for x in serve if x.startswith("--dtype=")), dtype)
+    model, why = roofline.model_for(str(a.model), dtype)
+    card = None
+    if model is not None:
+        device = roofline.gpu_name(a.attention_gpu) if a.device == "cuda" else "cpu"
+        card, why = roofline.card_for(a.card, a.hbm_tbs, a.tflops, [device] if device else [])
+    if card is None:
+        print(why, file=sys.stderr, flush=True)
+        return None, None
+    print(roofline.describe(card, model, a.input_len + a.output_len / 2), flush=True)
+    return model, card
 
 
 def write_json(a, results: list[dict]) -> None:

@@ -327,7 +327,7 @@ MODELS: dict[str, tuple[dict, str]] = {
         ),
         "bfloat16",
     ),
-    # DeepSeek-V2 as the released configs have it (issue 20): a low-rank query (q LoRA),
+    # DeepSeek-V2 as the released configs have it: a low-rank query (q LoRA),
     # group-limited routing (16 experts in 4 groups, a token's top-4 from its best 2
     # groups: 8 candidates, so the group limit changes the choice), two dense first layers,
     # two shared experts and a routed scaling factor. MLA shapes the GPU backends accept

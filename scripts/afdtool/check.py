@@ -18,8 +18,18 @@ from .gitutil import run_git
 from .series import lint_series, read_series
 from .targets import Target
 
-TRAILERS = ("Upstream-Status", "Reason", "Removal")
-STATUS_RE = re.compile(r"^(Not-yet|Submitted|Never)\b")
+TRAILERS = ("Patch-Id", "Upstream-Status", "Forwarded", "Reason", "Removal")
+# Upstream-Status values as OpenEmbedded spells them: the bracketed part says where a patch
+# was submitted, or why it does not belong upstream.
+STATUS_RE = re.compile(r"^(Pending|Accepted|Backport|Denied|Submitted \[[^\]]+\]"
+                       r"|Inappropriate \[[^\]]+\])$")
+STATUS_WORDS = "Pending, Submitted [where], Accepted, Backport, Denied or Inappropriate [reason]"
+# Forwarded as DEP-3 spells it: no, not-needed, or where the patch was sent (a URL or a
+# pull-request reference).
+FORWARD_WORDS = ("no", "not-needed")
+# A patch's name that docs and code cite: the same on every line that carries the patch
+# (its number in the series differs between lines).
+PATCH_ID_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
 
 def patch_message(data: bytes) -> str:
@@ -34,18 +44,68 @@ def patch_message(data: bytes) -> str:
         return subject + "\n\n" + msg.read_text(errors="replace")
 
 
-def trailer_problems(name: str, data: bytes) -> list[str]:
-    msg = patch_message(data)
-    proc = run_git(None, "interpret-trailers", "--parse", input=msg.encode())
+def patch_trailers(data: bytes) -> dict[str, str]:
+    """The trailers of a format-patch mail's message (the first value of each key)."""
+    proc = run_git(None, "interpret-trailers", "--parse", input=patch_message(data).encode())
     found: dict[str, str] = {}
     for line in proc.stdout.decode(errors="replace").splitlines():
         key, _, value = line.partition(":")
         found.setdefault(key.strip(), value.strip())
+    return found
+
+
+def trailer_problems(name: str, data: bytes) -> list[str]:
+    """What is wrong with the header trailers of the patch file ``name`` (empty: nothing)."""
+    found = patch_trailers(data)
     problems = [f"patches/{name}: missing trailer `{t}:`" for t in TRAILERS if t not in found]
     status = found.get("Upstream-Status")
     if status is not None and not STATUS_RE.match(status):
-        problems.append(f"patches/{name}: Upstream-Status {status!r} must start with "
-                        "Not-yet, Submitted or Never")
+        problems.append(f"patches/{name}: Upstream-Status {status!r} must be one of "
+                        + STATUS_WORDS)
+    forwarded = found.get("Forwarded")
+    if status is not None and forwarded is not None and STATUS_RE.match(status):
+        word = status.split(" ", 1)[0]
+        if word == "Pending" and forwarded != "no":
+            problems.append(f"patches/{name}: Upstream-Status Pending goes with `Forwarded: no`"
+                            f", not {forwarded!r}")
+        elif word == "Inappropriate" and forwarded != "not-needed":
+            problems.append(f"patches/{name}: Upstream-Status Inappropriate goes with "
+                            f"`Forwarded: not-needed`, not {forwarded!r}")
+        elif word not in ("Pending", "Inappropriate") and forwarded in (*FORWARD_WORDS, ""):
+            problems.append(f"patches/{name}: Upstream-Status {word} needs `Forwarded:` to say "
+                            f"where the patch went (a URL or a pull-request reference), not "
+                            f"{forwarded!r}")
+    patch_id = found.get("Patch-Id")
+    if patch_id is not None and not PATCH_ID_RE.match(patch_id):
+        problems.append(f"patches/{name}: Patch-Id {patch_id!r} must be lower-case words "
+                        "joined by '-' (e.g. graph-capture-guard)")
+    return problems
+
+
+def patch_ids(patches: Path, names: list[str]) -> dict[str, str]:
+    """Patch-Id -> file name for the listed patches of a series (those that have one)."""
+    ids: dict[str, str] = {}
+    for name in names:
+        f = patches / name
+        if f.is_file():
+            patch_id = patch_trailers(f.read_bytes()).get("Patch-Id")
+            if patch_id:
+                ids.setdefault(patch_id, name)
+    return ids
+
+
+def duplicate_id_problems(patches: Path, names: list[str]) -> list[str]:
+    seen: dict[str, str] = {}
+    problems = []
+    for name in names:
+        f = patches / name
+        if not f.is_file():
+            continue
+        patch_id = patch_trailers(f.read_bytes()).get("Patch-Id")
+        if patch_id and patch_id in seen:
+            problems.append(f"patches/{name}: Patch-Id {patch_id!r} is taken by {seen[patch_id]}")
+        elif patch_id:
+            seen[patch_id] = name
     return problems
 
 
@@ -71,11 +131,14 @@ def check(repo: Target, source: str | None = None, keep: Path | None = None) -> 
     results.append(("series lists exactly the patch files, once each", lint))
 
     headers = []
-    for name in dict.fromkeys(series.names):
+    names = list(dict.fromkeys(series.names))
+    for name in names:
         f = repo.patches / name
         if f.is_file():
             headers += trailer_problems(name, f.read_bytes())
-    results.append(("every patch has Upstream-Status/Reason/Removal trailers", headers))
+    headers += duplicate_id_problems(repo.patches, names)
+    results.append(("every patch has Patch-Id/Upstream-Status/Forwarded/Reason/Removal "
+                    "trailers, Patch-Ids unique", headers))
 
     tmp = Path(tempfile.mkdtemp(prefix="afd-check-"))
     try:

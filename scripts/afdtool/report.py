@@ -38,8 +38,8 @@ CACHE_FORMAT = 2  # 2: three-way merges without rename detection (rebase.AM_3WAY
 MARKER_RE = re.compile(
     r"<!-- afd-rebase-report target=(\S+) series=([0-9a-f]+)(?: from=(\S+))? -->")
 SERIES_REV_LEN = 12
-# From this line on, docs/upstream-status.md is written by hand (lines supported, porting
-# notes); a new report keeps it.
+# From this line on, docs/upstream-status.md is written by hand (a pointer to docs/status.md);
+# a new report keeps it.
 KEEP_MARKER = "<!-- written by hand from here on: make rebase-report keeps it -->"
 
 

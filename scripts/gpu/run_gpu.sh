@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU host (see ../shared/GPU_HOST.md), from the repository root, after the bundle parts
+# On the GPU host (docs/gpu-tests.md), from the repository root, after the bundle parts
 # were copied to $AFD_BUNDLE_DIR (default /tmp/afd-bundle): install the bundle, show the
 # installed version, and run the GPU tests (plain vLLM vs AFD on the tiny checkpoints in
-# build/models). Logs go to $OUT (at most a handful of files: the device tool returns 8).
+# build/models) and the benchmarks asked for. Logs go to $OUT (a handful of files per run).
 set -uo pipefail
 OUT=${OUT:-/tmp/afd-out}
 mkdir -p "$OUT"
@@ -60,14 +60,15 @@ if [ "${GPU_TESTS:-}" != "none" ]; then
   grep -E "^ORACLE|PASSED|FAILED|ERROR|passed|failed" "$OUT/$LOG.log" | tail -40
   tar czf "$OUT/$LOG-engine-logs.tgz" -C /tmp "afd-gpu-pt-$LOG" 2>/dev/null
 fi
-# One benchmark script on the DeepSeek-V2-Lite shape (dummy weights): KIND (bench|serve)
+# One benchmark script on the DeepSeek-V2-Lite shape (dummy weights; SHAPE_SET: more config
+# keys for make_shape.py --set, e.g. '{"num_hidden_layers": 14}' to fit M engines on an H100): KIND (bench|serve)
 # names its files $OUT/KIND-$LOG.{log,json} and KIND-$LOG-logs.tgz (the engines' logs, not
 # the traces, for a failure's root cause); SCRIPT, TIMEOUT, then the script's arguments.
 shape_bench() {
   local kind=$1 script=$2 limit=$3
   shift 3
   python3 benchmarks/make_shape.py --preset deepseek-v2-lite --out /tmp/afd-dsv2-lite \
-    > "$OUT/$kind-$LOG.log" 2>&1
+    ${SHAPE_SET:+--set "$SHAPE_SET"} > "$OUT/$kind-$LOG.log" 2>&1
   rm -rf "/tmp/afd-$kind-$LOG"
   timeout "$limit" python3 "benchmarks/$script" --model /tmp/afd-dsv2-lite \
     --load-format dummy --device cuda "$@" --json "$OUT/$kind-$LOG.json" \

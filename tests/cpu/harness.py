@@ -85,7 +85,7 @@ class AfdProc:
         self.vllm_port = int(self.env["VLLM_PORT"])
         # A server killed earlier (here or by an earlier run) leaves its files behind,
         # and a tensor-parallel server of the same internal port would then fail at
-        # start (EEXIST). No live server of this session has this port base.
+        # start (EEXIST). No live server of this process has this port base.
         for name in cpu_shm_files(self.vllm_port):
             Path("/dev/shm", name).unlink(missing_ok=True)
         prefix = ["ip", "netns", "exec", netns] if netns else []

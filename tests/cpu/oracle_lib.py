@@ -56,7 +56,7 @@ def assert_outputs_match(plain: dict, got: dict, max_tokens: list[int], tol: flo
     return worst
 
 
-# Issue 20's workload: 12 prompts of 1 to 311 tokens generated at once (prefill chunks
+# A mixed-length workload: 12 prompts of 1 to 311 tokens generated at once (prefill chunks
 # beside decodes, a different mix every step), 32 greedy tokens each.
 MIXED_LENGTHS = [1, 2, 5, 11, 23, 40, 64, 97, 131, 180, 242, 311]
 

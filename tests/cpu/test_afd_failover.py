@@ -1,4 +1,4 @@
-"""FFN replicas failover (issue 21): two FFN replicas (`vllm serve` on the CPU, one per FFN
+"""FFN replicas failover: two FFN replicas (`vllm serve` on the CPU, one per FFN
 rank, each holding every expert) serve two attention servers (ranks 0 and 1, one each),
 all with ``connector_extra_config.ffn_failover``. While both ranks stream greedy requests,
 FFN rank 0 is SIGKILLed (its whole process group).

@@ -7,7 +7,7 @@ order below (each test brings up the pair it needs if an earlier test left none)
 
 1. fuzz of the AFD port without a shared secret, while completions run;
 2. attention SIGKILLed while requests stream: the FFN notices, drops that attention rank
-   and serves on; the attention server restarted alone is taken again (issue 21);
+   and serves on; the attention server restarted alone is taken again;
 3. the same fuzz with a shared secret, plus a real attention rank with the wrong secret;
 4. FFN SIGKILLed and a new FFN started on its port: the old attention server fails its
    requests and ends; a new attention server and the new FFN then serve;
@@ -592,7 +592,7 @@ def test_fuzz_afd_port_without_secret(deploy, tmp_path):
 
 
 def test_attention_killed_ffn_serves_on_and_takes_the_restarted_one(deploy):
-    """Issue 21: the FFN rank survives the loss of its attention rank (before: it ended and
+    """The FFN rank survives the loss of its attention rank (before: it ended and
     both servers had to be restarted); the attention server restarted alone rejoins it."""
     attn, ffn = deploy.ensure(secret=None)
     want = check_completions(attn)

@@ -1,4 +1,4 @@
-"""The AFD handshake names the checkpoint (issue 19, item 9).
+"""The AFD handshake names the checkpoint.
 
 An FFN rank that serves a checkpoint of the same shape as the attention's but with other
 FFN weights (two fine-tunes of one base, a half-done rolling upgrade) used to pass the

@@ -49,7 +49,7 @@ def start_plain(model: Path, tmp_path: Path, engine_args: tuple[str, ...] = ()) 
 
 
 def plain_reference(model: Path, tmp_path: Path) -> dict:
-    """Plain vLLM output for PROMPTS (computed once per model per session)."""
+    """Plain vLLM output for PROMPTS (computed once per model per test run)."""
     key = str(model)
     if key not in _PLAIN_CACHE:
         _PLAIN_CACHE[key] = start_plain(model, tmp_path).output(START_TIMEOUT)
@@ -185,6 +185,9 @@ def family_param(name: str):
     return pytest.param(name, marks=unless_marked_here(FAMILIES[FAMILY_CASES[name][0]]))
 
 
+# primary_pin: the ten families' cases take about 6.5 minutes on the CI machine; CI runs them
+# on the primary pin, `make test-oracle VLLM_VERSION=X` on line X (docs/models.md).
+@pytest.mark.primary_pin
 @pytest.mark.parametrize("name", [family_param(n) for n in FAMILY_CASES])
 def test_oracle_family(name, models_dir, tmp_path, procs):
     model = models_dir / name
@@ -209,6 +212,8 @@ def test_oracle_family(name, models_dir, tmp_path, procs):
           f"tokens identical, max |logprob diff| {worst:.2e}")
 
 
+# primary_pin: the start order is the overlay's retry logic, the same on every line.
+@pytest.mark.primary_pin
 def test_oracle_attention_started_first(models_dir, tmp_path, procs):
     model = models_dir / "qwen3_moe"
     plain = plain_reference(model, tmp_path)
@@ -264,7 +269,9 @@ def test_oracle_nixl_2a1f_one_rank_dbo(models_dir, tmp_path, procs):
     assert counts["ubatched"] > 0 and counts["steps"] > 0, counts
 
 
-@pytest.mark.parametrize("name, num_attention", [("qwen3_moe", 2), ("deepseek_v2", 4)],
+# primary_pin on 4A2F: the group's vLLM code is what 2A2F runs on every line.
+@pytest.mark.parametrize("name, num_attention",
+                         [("qwen3_moe", 2), pytest.param("deepseek_v2", 4, marks=pytest.mark.primary_pin)],
                          ids=["qwen3_moe-2A2F", "deepseek_v2-4A2F"])
 def test_oracle_ffn_group(name, num_attention, models_dir, tmp_path, procs):
     """2A2F and 4A2F: one FFN server with tensor_parallel_size 2 runs FFN ranks 0
@@ -304,6 +311,8 @@ def test_oracle_ffn_group(name, num_attention, models_dir, tmp_path, procs):
           f"(steps, group steps) per member {stopped}")
 
 
+# primary_pin: the refusal is overlay logic.
+@pytest.mark.primary_pin
 def test_ffn_group_refuses_micro_batched_steps(models_dir, tmp_path, procs):
     """An FFN group serves steps without micro-batches in this release: DBO
     attention ranks end with the group's error, and the FFN server ends too
@@ -378,6 +387,8 @@ def test_mismatched_layer_count_ends_both(models_dir, tmp_path, procs):
         in ffn.text(), ffn.tail()
 
 
+# primary_pin: the same refusal path as the mismatched layer count, which runs on every line.
+@pytest.mark.primary_pin
 def test_wrong_topology_ends_both(models_dir, tmp_path, procs):
     model = models_dir / "qwen3_moe"
     port = free_port(2)
@@ -436,6 +447,10 @@ def test_ffn_killed_mid_generation(models_dir, tmp_path, procs):
     print(f"attention failed {noticed:.1f} s after the FFN was killed, exited at {exited:.1f} s")
 
 
+# primary_pin (this and the next): a start-up timeout with no peer at all differs from the
+# mismatched layer count case only in the overlay's connector (unit-tested in
+# test_tcp_connector); that case runs the same failure paths on every line's engine.
+@pytest.mark.primary_pin
 def test_no_ffn_within_timeout(models_dir, tmp_path, procs):
     attn = AfdProc("attention", models_dir / "llama", tmp_path / "attn.log",
                    ["--afd", afd_json("attention", free_port(), timeout_s=3),
@@ -445,6 +460,7 @@ def test_no_ffn_within_timeout(models_dir, tmp_path, procs):
     assert "could not reach AFD FFN rank 0 at 127.0.0.1" in attn.text(), attn.tail()
 
 
+@pytest.mark.primary_pin
 def test_no_attention_within_timeout(models_dir, tmp_path, procs):
     ffn = AfdProc("ffn", models_dir / "llama", tmp_path / "ffn.log",
                   ["--afd", afd_json("ffn", free_port(), timeout_s=3)])
@@ -453,13 +469,15 @@ def test_no_attention_within_timeout(models_dir, tmp_path, procs):
     assert "did not connect within timeout_s=3" in ffn.text(), ffn.tail()
 
 
-# Issue 20's DeepSeek-V2 case: q LoRA, group-limited routing, two dense first layers, a
-# routed scaling factor; oracle_lib.mixed_length_prompts (12 prompts of 1 to 311 tokens
-# at once, 32 greedy tokens each).
+# DeepSeek-V2 as its released configs have it: q LoRA, group-limited routing, two dense first
+# layers, a routed scaling factor; oracle_lib.mixed_length_prompts (12 prompts of 1 to 311
+# tokens at once, 32 greedy tokens each).
 QLORA_ENGINE = ("--max-num-seqs", "12")
 QLORA_DBO = ("--enable-dbo", "--dbo-threshold", "2", "--dbo-prefill-threshold", "12")
 
 
+# primary_pin: about 70 s; the DBO cases of the other checkpoints run on every line.
+@pytest.mark.primary_pin
 def test_oracle_dbo_grouped_routing_q_lora(models_dir, tmp_path, procs):
     """One FFN server serves an attention rank with DBO (decode threshold 2, prefill 12),
     then one without; both equal plain vLLM on the deepseek_v2_qlora checkpoint (fp32)."""

@@ -1,4 +1,4 @@
-"""The children of a killed `vllm serve` API server end (issue 19, item 1).
+"""The children of a killed `vllm serve` API server end.
 
 SIGKILL of an AFD server's API server process only (the pid a supervisor, a container
 runtime with a custom stop or the OOM killer hits) used to leave its engine core and

@@ -1,4 +1,4 @@
-"""Issue 21, FFN side: an attention rank of a 2A1F deployment (`vllm serve` on the CPU: two
+"""Rejoin, FFN side: an attention rank of a 2A1F deployment (`vllm serve` on the CPU: two
 attention servers, ranks 0 and 1, and one FFN server serving both) is SIGKILLed while both
 stream, and restarted on the same ports; then the restarted rank 1 is SIGSTOPped (its whole
 process group) while both stream: STOPS times for STOP_S (then SIGCONT), and for good.

@@ -1,4 +1,4 @@
-"""No request lost when the FFN server restarts (issue 21): a `vllm serve` AFD pair on the
+"""No request lost when the FFN server restarts: a `vllm serve` AFD pair on the
 CPU (1 attention + 1 FFN, connector gloo) streams 16 concurrent greedy requests; the whole
 FFN server is stopped (SIGKILL to its process group, or SIGTERM to its API server: an
 upgrade) and started again on the same ports N seconds after it is gone. Every request
@@ -234,7 +234,7 @@ def test_ffn_restart_loses_no_request(pair, reference, sig, down_s):
     # while the FFN server is down: the attention server is up, says so, and waits
     got = wait_for(lambda: (m := scrape(attn))["vllm:afd_peer_up"] == 0.0 and m, 30,
                    "vllm:afd_peer_up 0")  # fmt: skip
-    # /health: alive but not ready (patch 0018), with the reason
+    # /health: alive but not ready (patch health-afd-wait), with the reason
     status, body = su.http_get(f"{attn.url}/health", timeout=5)
     assert status == 503 and attn.alive(), (status, body)
     assert body.startswith("AFD: waiting for a lost FFN rank to come back: attention rank 0"), body

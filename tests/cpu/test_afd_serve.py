@@ -344,7 +344,7 @@ def test_killed_ffn_fails_requests_fast(pair):
     assert ended <= AFD_TIMEOUT_S + 10, ended
     completed = result.get("finish_reason") == "length" and result.get("error") is None
     assert not completed, f"request finished normally despite the dead FFN: {result}"
-    # the client's error names the lost peer (patch 0011), not just "EngineCore ..."
+    # the client's error names the lost peer (patch engine-dead-peer), not just "EngineCore ..."
     assert "AFD: lost AFD peer FFN rank 0 at 127.0.0.1:" in str(result.get("error")), result
     # the step held for the FFN rank to come back (rejoin_timeout_s, default timeout_s) and
     # then failed as without rejoin (tests/cpu/test_afd_restart.py: one that comes back)

@@ -268,7 +268,7 @@ def test_dbo_steps_use_one_slot_and_stream_per_micro_batch(pair):
 
 def test_a_long_global_mode_capture_survives_the_watchdog(pair):
     """vLLM captures in global mode; the watchdog probes the device every 0.1 s
-    from its own thread. Inside graph_capture_guard (patch 0013 puts vLLM's
+    from its own thread. Inside graph_capture_guard (patch graph-capture-guard puts vLLM's
     capture_model there) a capture lasting many probe periods succeeds."""
     from vllm.afd.attention import graph_capture_guard
 
@@ -341,7 +341,7 @@ def test_a_ranks_error_word_ends_only_its_own_session(pair, monkeypatch):
 
 
 def test_a_rank_lost_abruptly_ends_only_its_session_and_rejoins(pair):
-    """Issue 21, FFN side: attention rank 0's connection is reset (its server was
+    """Rejoin, FFN side: attention rank 0's connection is reset (its server was
     SIGKILLed). The FFN rank drops rank 0 alone (its device waits released) and serves
     rank 1 on; rank 0's restarted server handshakes again with the same rank id, gets
     fresh buffers on the FFN rank, and both ranks' steps are exact."""
@@ -452,7 +452,7 @@ def rejoin_pair():
 
 
 def test_ipc_rejoin_graph_replay_reruns_whole_across_an_ffn_restart(rejoin_pair):
-    """Issue 21 on cuda_ipc (opt-in ipc_rejoin): a full CUDA graph of the step (as
+    """Rejoin on cuda_ipc (opt-in ipc_rejoin): a full CUDA graph of the step (as
     FULL_DECODE_ONLY captures the decode forward) is replayed under
     vllm.afd.rejoin.run_forward. The FFN process dies in the middle of a replay
     (after the second layer's data arrived) and a new one starts on the same port

@@ -1,4 +1,4 @@
-"""GPU restart oracle (issue 21): no request lost when the FFN server restarts, on cuda_ipc
+"""GPU restart oracle: no request lost when the FFN server restarts, on cuda_ipc
 with FULL_DECODE_ONLY CUDA graphs on the attention server.
 
 A `vllm serve` AFD pair on GPU 0 (both servers on one GPU; scripts/gpu/run_gpu.sh runs them
@@ -50,7 +50,7 @@ from harness import (
 
 import serve_util as su
 
-# Plain reference, pair start, FFN restart: 235 s on one H200 (2026-12-04, fifth session).
+# Plain reference, pair start, FFN restart: 235 s on one H200 (docs/results/2026-12.md).
 TEST_TIMEOUT_S = 540
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
@@ -88,8 +88,8 @@ TIE_TOL = 0.1  # plain's best minus the taken token's logprob at a divergence (a
 # held and re-run step and the steps after it computed); the tokens are compared over the
 # whole stream. Outside the windows the difference is the served streams' other batching
 # (their prefills arrive apart, plain's come in one offline step), which in bf16 on this
-# flat random-weight model moves logprobs by itself: on one H200 (2026-12-04, fifth
-# session; every token equal to plain's or a near-tie) the worst difference per 16
+# flat random-weight model moves logprobs by itself: on one H200 (2026-12-04,
+# docs/results/2026-12.md; every token equal to plain's or a near-tie) the worst difference per 16
 # generated tokens was 0.03-0.10, once 0.167 (token 141 of a stream killed about 17 tokens
 # in), and 0.083 in the windows. The worst difference anywhere is printed.
 LOGPROB_TOL = 0.1

@@ -215,7 +215,7 @@ def test_gpu_ffn_graphs_off_same_output(tmp_path, procs):
 
 # Prefill and decode steps of at least 2 tokens are micro-batched (prefills run eagerly,
 # also with FULL_DECODE_ONLY graphs), on each model runner of the installed vLLM that
-# micro-batches: V1 up to 0.33.0 (Qwen3-MoE's FLASH_ATTN needs patch 0014 there), V2 from
+# micro-batches: V1 up to 0.33.0 (Qwen3-MoE's FLASH_ATTN needs patch ubatch-metadata-cache there), V2 from
 # 0.32.0 on (vllm.afd.dbo_v2 through the target's hook patch; the only runner of 0.34.0).
 DBO_RUNNERS = ["v1"] * HAS_V1_RUNNER + ["v2"] * HAS_V2_UBATCH_RUNNER
 
@@ -247,7 +247,7 @@ def test_gpu_oracle_dbo(name, mode, runner, tmp_path, procs):
           f"max |logprob diff| {worst:.3g}, {counts}")
 
 
-# M:N on one GPU (issue 7's topologies, where only one GPU is lent): every process on GPU 0
+# M:N on one GPU (2A1F and 3A1F, the topologies that fit one GPU): every process on GPU 0
 # (correctness only - the processes time-slice the GPU), cuda_ipc, FULL decode graphs.
 # Each attention process is an engine of its own and sizes its KV cache by profiling,
 # which counts what the other processes allocate meanwhile as its own: with 3 attention
@@ -298,7 +298,7 @@ def test_gpu_oracle_2a2f_ffn_group_expert_parallel(name, tmp_path, procs):
           f"both attention ranks, max |logprob diff| {worst:.3g}")
 
 
-# Issue 20: DeepSeek-V2 with q LoRA, group-limited routing (4 groups, top 2), two dense first
+# DeepSeek-V2 as its released configs have it: q LoRA, group-limited routing (4 groups, top 2), two dense first
 # layers and routed scaling 2.5 (deepseek_v2_qlora), MLA, 12 prompts of 1 to 311 tokens at
 # once (oracle_lib.mixed_length_prompts), 32 greedy tokens. DBO runs attention and MoE on
 # micro-batches, so its kernels see other batch sizes than plain vLLM's (MLA split-KV
@@ -349,7 +349,7 @@ def test_gpu_oracle_dbo_grouped_routing_q_lora(tmp_path, procs):
                      ("--enable-dbo", "--dbo-threshold", "2", "--dbo-prefill-threshold", "12"))
     total = sum(spec["max_tokens"])
     # a divergence ends its prompt's comparison: most tokens must be compared (384 of 384
-    # were equal on one H200, docs/gpu-results.md)
+    # were equal on one H200, docs/results/2026-12.md)
     divs, worst, equal = oracle_lib.near_tie_divergences(plain, dbo, QLORA_TIE_TOL, QLORA_TOL,
                                                          min_equal=total // 2)
     for i, pos, gap in divs:

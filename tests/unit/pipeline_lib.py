@@ -34,7 +34,17 @@ GIT_ENV = {
     "GIT_COMMITTER_EMAIL": "dev@example.invalid",
     "GIT_COMMITTER_DATE": "2024-05-01T12:00:00+0000",
 }
-TRAILERS = "Upstream-Status: Never AFD only\nReason: test\nRemoval: never\n"
+TRAILERS = ("Upstream-Status: Inappropriate [AFD only]\nForwarded: not-needed\nReason: test\n"
+            "Removal: never\n")
+
+
+def trailers(subject: str, rest: str = TRAILERS) -> str:
+    """The header trailers of a test patch: a Patch-Id made from ``subject``, then ``rest``."""
+    slug = "-".join("".join(c if c.isalnum() else " " for c in subject.lower()).split())
+    return f"Patch-Id: {slug}\n{rest}"
+
+
+default_trailers = trailers  # add_patch's argument of that name hides the function
 
 
 def make_tarball(path: Path, files: dict[str, str], top: str) -> str:
@@ -79,10 +89,14 @@ class Env:
         git(self.tree, "add", "-A")
         git(self.tree, "commit", "-q", "-m", message)
 
-    def add_patch(self, rel: str, old: str, new: str, subject: str, trailers: str = TRAILERS):
-        """Make a patch through the tool itself: apply, commit in the tree, export."""
+    def add_patch(self, rel: str, old: str, new: str, subject: str, trailers: str | None = None):
+        """Make a patch through the tool itself: apply, commit in the tree, export.
+        ``trailers``: the message's trailers (default: a Patch-Id from ``subject`` and
+        TRAILERS)."""
         assert self.run("apply") == 0
         text = (self.tree / rel).read_text().replace(old, new, 1)
+        if trailers is None:
+            trailers = default_trailers(subject)
         self.commit_in_tree(rel, text, f"{subject}\n\nBody.\n\n{trailers}")
         assert self.run("export") == 0
         git(self.repo, "add", "-A")

@@ -169,7 +169,7 @@ def wait_lost(ffn, rank: int, timeout: float = 3.0) -> str:
     """Serve as the FFN runner does (wait_step; a later micro-batch's control read,
     the rank dropped when that fails) until the FFN rank has dropped attention rank
     ``rank``; why it did. A lost rank never raises out of wait_step: the others are
-    served on (issue 21)."""
+    served on."""
     deadline = time.monotonic() + timeout
     while rank in ffn.peers:
         assert time.monotonic() < deadline, f"attention rank {rank} not dropped in {timeout} s"

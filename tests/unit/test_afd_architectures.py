@@ -1,4 +1,4 @@
-"""The registry of supported model families (vllm.afd.architectures, issue 23): the
+"""The registry of supported model families (vllm.afd.architectures): the
 config-time refusal of other architectures and of a router placement a family cannot
 take; that the registry, the patches of every line, the oracle cases and the docs table
 (docs/models.md) agree; and the model-split pieces the new families need (the weight

@@ -587,7 +587,7 @@ def test_verify_dbo_ok_on_the_cpu_with_gloo():
 
 def test_verify_dbo_ok_on_cuda_with_cuda_ipc():
     cfg(role="attention", connector="cuda_ipc").verify_with_vllm_config(_dbo_vllm("cuda"))
-    # FLASH_ATTN models too (patch 0014: one attention-metadata cache entry per micro-batch)
+    # FLASH_ATTN models too (patch ubatch-metadata-cache: one attention-metadata cache entry per micro-batch)
     cfg(role="attention", connector="cuda_ipc").verify_with_vllm_config(
         _dbo_vllm("cuda", mla=False))
 

@@ -1,4 +1,4 @@
-"""The handshake fingerprint names the model (issue 19, item 9): the checkpoint identity
+"""The handshake fingerprint names the model: the checkpoint identity
 (vllm.afd.checkpoint), the FFN block map, the expert count and the MLP sizes
 (vllm.afd.model_split.ffn_fingerprint). Checkpoints are tiny safetensors files written
 here byte by byte (the format: u64 header length, JSON header, tensor data)."""

@@ -1,4 +1,4 @@
-"""The layering of the AFD modules (issue 21): the imports between the modules of
+"""The layering of the AFD modules: the imports between the modules of
 overlay/vllm/afd, overlay/vllm/distributed/afd and overlay/vllm/config/afd.py form no
 cycle (function-local imports included: a cycle held together by an import inside a
 function is still a cycle), and no transport (vllm.distributed.afd.*) imports a role

@@ -1,5 +1,5 @@
-"""An AFD process started through multiprocessing ends with its parent (vllm.afd.lifecycle,
-issue 19 item 1; the `vllm serve` case is tests/cpu/test_afd_orphans.py)."""
+"""An AFD process started through multiprocessing ends with its parent (vllm.afd.lifecycle;
+the `vllm serve` case is tests/cpu/test_afd_orphans.py)."""
 
 from __future__ import annotations
 

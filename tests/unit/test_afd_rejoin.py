@@ -1,4 +1,4 @@
-"""Rejoin of a lost FFN rank on the attention side (issue 21): the rejoin_timeout_s key,
+"""Rejoin of a lost FFN rank on the attention side: the rejoin_timeout_s key,
 the connector's reconnect (same address, backoff, deadline, re-handshake), the metrics of an
 outage, and the attention client re-running an interrupted step over real TCP connectors
 (an FFN rank closed mid-step and a new one started on its port)."""

@@ -152,7 +152,7 @@ def test_watchdog_skips_the_device_probe_during_graph_captures():
 
 
 def test_every_graph_capture_of_the_worker_runs_inside_the_guard():
-    """Patch 0013: the GPU worker captures CUDA graphs at two sites, capture_model and
+    """Patch graph-capture-guard: the GPU worker captures CUDA graphs at two sites, capture_model and
     the CUDA graph memory profiling of determine_available_memory
     (profile_cudagraph_memory); each runs inside graph_capture_guard, or the watchdog's
     device read can invalidate that capture (seen on an H200 at the profiling site).
@@ -221,7 +221,7 @@ def high_fd_pair():
 
 
 def test_socket_probe_works_for_a_descriptor_above_1024(high_fd_pair):
-    """Issue 19, item 2: the probe used select(), whose ValueError for a descriptor
+    """The probe used select() once, whose ValueError for a descriptor
     >= 1024 ended the watchdog thread: a lost FFN rank was never noticed."""
     high, other = high_fd_pair
     assert ipc.socket_lost(high) is None  # open, nothing to read; returns at once

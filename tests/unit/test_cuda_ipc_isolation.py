@@ -1,5 +1,5 @@
 """cuda_ipc: what a peer's buffer description can make this side do, and which
-buffers each attention rank gets (issue 19, item 11). No GPU: torch's CUDA IPC
+buffers each attention rank gets. No GPU: torch's CUDA IPC
 mapping (rebuild_cuda_tensor) and the driver's range query are replaced by fakes
 that record what reaches them; the FFN rank's buffers are CPU tensors. The device
 path runs in tests/gpu/test_gpu_ipc_connector.py."""
@@ -261,7 +261,7 @@ def test_a_ranks_error_word_ends_only_its_own_session(cpu_buffers):
 
 
 def test_a_rank_that_joins_again_gets_fresh_buffers(cpu_buffers):
-    """Issue 21: a restarted attention rank handshakes again. It gets new buffers (the
+    """A restarted attention rank handshakes again. It gets new buffers (the
     previous session's process may still map, and write, the old ones) and a clean error
     word; the other rank's buffers stay."""
     conn = _ffn(m=2)

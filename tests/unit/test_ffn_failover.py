@@ -1,4 +1,4 @@
-"""FFN replicas failover, the FFN side (issue 21): an FFN rank with
+"""FFN replicas failover, the FFN side: an FFN rank with
 connector_extra_config.ffn_failover takes an attention rank of another replica as a guest
 when its hello says it fails over here (its home FFN rank is away). Over real sockets on
 127.0.0.1 (the TCP connector, tcp_lib's fakes): the guest is served like an own rank (its

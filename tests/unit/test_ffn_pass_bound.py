@@ -1,4 +1,4 @@
-"""The bound on the tokens of one FFN pass (issue 19, item 8): an FFN rank batches the
+"""The bound on the tokens of one FFN pass: an FFN rank batches the
 steps of its k attention ranks, up to k x max_num_batched_tokens tokens; steps beyond
 AFDConfig.ffn_pass_tokens are served in several passes (vllm.afd.ffn_runner). A recording
 connector stands in for the network; the module is a function of its rows, so every

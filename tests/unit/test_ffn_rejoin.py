@@ -1,4 +1,4 @@
-"""The FFN side of issue 21: an FFN rank survives the loss of one attention rank.
+"""The FFN side of rejoin: an FFN rank survives the loss of one attention rank.
 
 Over real sockets on 127.0.0.1 (the TCP connector, tcp_lib's fakes) and with the FFN
 model runner's step loop: a lost attention rank (EOF, reset, a protocol error, between
@@ -105,7 +105,7 @@ def test_a_rejoin_of_another_deployment_is_refused(net):
 
 
 def test_a_rank_still_connected_cannot_be_replaced(net):
-    """A hello is not proof of anything without a shared secret: a second session of a
+    """A hello is not proof of anything without a shared secret: a second connection of a
     live rank is refused (the attention side retries it while rejoining), the first one
     is served on."""
     port, ffn, (att0, att1) = two_ranks(net)

@@ -1,7 +1,7 @@
 """nccl connector (vllm.distributed.afd.nccl) without NCCL: the TCP handshake over
 real sockets on 127.0.0.1, the communicator replaced by a recording fake.
 
-Issue 19, item 7: an nccl FFN rank that has formed its NCCL group must refuse an
+An nccl FFN rank that has formed its NCCL group must refuse an
 attention rank that joins again, in the handshake reply, instead of accepting it
 (its NCCL setup would then wait for a group that is gone, and the FFN's receives
 from it would hang the other ranks)."""

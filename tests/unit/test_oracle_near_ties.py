@@ -1,4 +1,4 @@
-"""oracle_lib.near_tie_divergences (the GPU oracle's DBO case on issue 20's checkpoint) and
+"""oracle_lib.near_tie_divergences (the GPU oracle's DBO case on the q-LoRA DeepSeek-V2 checkpoint) and
 oracle_lib.mixed_length_prompts, on synthetic outputs: what they accept and refuse."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_lib import TRAILERS, git
+from pipeline_lib import TRAILERS, git, trailers
 
 from afdtool.targets import resolve
 
@@ -123,12 +123,46 @@ def test_series_mismatch(warm, capsys, problem):
 
 def test_missing_trailer(warm, capsys):
     warm.add_patch("vllm/engine.py", "return 3\n", "return 33\n", "Change f3",
-                   trailers=TRAILERS.replace("Removal: never\n", "").replace("Never AFD", "Maybe"))
+                   trailers=TRAILERS.replace("Removal: never\n", "")
+                   .replace("Inappropriate [AFD only]", "Not-yet"))
     capsys.readouterr()
     assert warm.run("check") == 1
     out = capsys.readouterr().out
     assert "missing trailer `Removal:`" in out
-    assert "Upstream-Status 'Maybe only' must start with" in out
+    assert "missing trailer `Patch-Id:`" in out
+    assert "Upstream-Status 'Not-yet' must be one of Pending, Submitted [where]" in out
+
+
+@pytest.mark.parametrize("status, forwarded, problem", [
+    ("Pending", "not-needed", "Upstream-Status Pending goes with `Forwarded: no`"),
+    ("Inappropriate [AFD only]", "no", "Inappropriate goes with `Forwarded: not-needed`"),
+    ("Submitted [upstream]", "no", "Upstream-Status Submitted needs `Forwarded:` to say where"),
+    ("Submitted", "vllm-project/vllm#1", "Upstream-Status 'Submitted' must be one of"),
+    ("Accepted", "vllm-project/vllm#1", None),
+])
+def test_upstream_status_and_forwarded_agree(warm, capsys, status, forwarded, problem):
+    rest = (TRAILERS.replace("Inappropriate [AFD only]", status)
+            .replace("Forwarded: not-needed", f"Forwarded: {forwarded}"))
+    warm.add_patch("vllm/engine.py", "return 3\n", "return 33\n", "Change f3",
+                   trailers=trailers("Change f3", rest))
+    capsys.readouterr()
+    out_rc = warm.run("check")
+    out = capsys.readouterr().out
+    if problem is None:
+        assert out_rc == 0, out
+    else:
+        assert out_rc == 1 and problem in out, out
+
+
+def test_patch_ids_unique_in_a_series(warm, capsys):
+    warm.add_patch("vllm/engine.py", "return 3\n", "return 33\n", "Change f3",
+                   trailers=trailers("same id"))
+    warm.add_patch("vllm/engine.py", "return 7\n", "return 77\n", "Change f7",
+                   trailers=trailers("same id"))
+    capsys.readouterr()
+    assert warm.run("check") == 1
+    out = capsys.readouterr().out
+    assert "Patch-Id 'same-id' is taken by 0001-Change-f3.patch" in out
 
 
 def test_overlay_shadowing_upstream_is_refused(warm, capsys):
@@ -143,7 +177,7 @@ def test_export_moves_overlay_changes_and_splits_mixed_commits(warm, capsys):
     (warm.tree / "vllm" / "afd" / "__init__.py").write_text("AFD = 2\n")
     (warm.tree / "vllm" / "afd" / "new.py").write_text("NEW = 1\n")
     text = (warm.tree / "vllm" / "engine.py").read_text().replace("return 1\n", "return 11\n")
-    warm.commit_in_tree("vllm/engine.py", text, f"Mixed\n\n{TRAILERS}")
+    warm.commit_in_tree("vllm/engine.py", text, f"Mixed\n\n{trailers('Mixed')}")
     warm.commit_in_tree("vllm/afd/other.py", "O = 1\n", "Only overlay")
     capsys.readouterr()
     assert warm.run("export") == 0

@@ -1,4 +1,4 @@
-"""The rebase workflow a newcomer follows (issue 22): the newest carried target by default,
+"""The rebase workflow a newcomer follows: the newest carried target by default,
 modify/delete stops, whole hunks, honest CPU-wheel messages, export paths, drift statuses, and the
 incremental, verifiable rebase-report. Synthetic releases through a file:// index (no network)."""
 
@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from pipeline_lib import TRAILERS, git
+from pipeline_lib import git, trailers
 from test_rebase import ENGINE, publish, results, two  # noqa: F401  (fixture)
 
 from afdtool.drift import compatible, signature_change
@@ -39,7 +39,7 @@ def test_export_patches_only_leaves_the_shared_overlay_alone(carried, capsys):
     ours = carried.repo / "overlay/vllm/afd/__init__.py"
     ours.write_text("AFD = True\nNEW = 1\n")
     text = (carried.tree / "vllm/config/__init__.py").read_text().replace("X = 2", "X = 3")
-    carried.commit_in_tree("vllm/config/__init__.py", text, f"Change X\n\nBody.\n\n{TRAILERS}")
+    carried.commit_in_tree("vllm/config/__init__.py", text, f"Change X\n\nBody.\n\n{trailers('Change X')}")
     capsys.readouterr()
     assert carried.run("export", "--target", "9.9.1") == 1
     assert "overlay/ or the pin changed since" in capsys.readouterr().err
@@ -58,7 +58,7 @@ def test_rebase_starts_from_the_newest_carried_target(carried, capsys):
            "carried target" in out
     state = json.loads((carried.tree / ".git" / "afd-rebase.json").read_text())
     assert state["from"] == "9.9.1"
-    # 0001 of targets/9.9.1 already has the first shift: only offset again
+    # the first patch of targets/9.9.1 already has the first shift: only offset again
     assert results(carried, "9.9.2")["0001-Change-f3.patch"] == "offset"
     assert carried.run("rebase", "--to", "9.9.3", "--target", "9.9.0") == 1  # not published
     assert "starting from vLLM 9.9.0 (primary pin, patches): --target" in capsys.readouterr().out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import serve  # benchmarks/serve.py
 
-# Lines of the sixth session's FFN log (one H200, DeepSeek-V2-Lite shape), between others.
+# Lines of an FFN server's log (one H200, DeepSeek-V2-Lite shape, 2026-12-04), between others.
 LOG = """\
 INFO 12-04 19:48:23 [engine.py:107] AFD FFN role: engine core ready (no KV cache, no scheduler)
 INFO 12-04 19:48:33 [ffn_runner.py:560] AFD FFN role: captured a CUDA graph for step ((0, 256),) in 55.4 ms (1 graphs)

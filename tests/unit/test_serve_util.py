@@ -1,4 +1,4 @@
-"""scripts/serve_util.py: the ports tests, the demo and the benchmarks hand to servers, and
+"""scripts/serve_util: the ports tests, the demo and the benchmarks hand to servers, and
 the environment of every engine they start."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import socket
 import pytest
 
 import serve_util as su
+from serve_util import engine, ports, server
 
 HOST = "127.0.0.1"
 needs_window = pytest.mark.skipif(
@@ -35,7 +36,7 @@ def test_free_ports_lie_below_the_ephemeral_range():
 
 
 def test_free_ports_fall_back_to_the_kernel_without_room(monkeypatch):
-    monkeypatch.setattr(su, "ephemeral_port_range", lambda: (su.LISTEN_WINDOW_START + 4, 60999))
+    monkeypatch.setattr(ports, "ephemeral_port_range", lambda: (su.LISTEN_WINDOW_START + 4, 60999))
     base = su.free_ports(2, consecutive=True)[0]
     assert base >= su.LISTEN_WINDOW_START + 4
     with socket.socket() as a, socket.socket() as b:
@@ -46,7 +47,7 @@ def test_free_ports_fall_back_to_the_kernel_without_room(monkeypatch):
 def test_internal_port_bases_never_repeat_within_50_servers(monkeypatch):
     # Once every base was handed out (the old rule then forgot them all at once), a
     # base still in use by a server started a moment earlier could come back.
-    monkeypatch.setattr(su, "_PORT_BASES", [])
+    monkeypatch.setattr(ports, "_PORT_BASES", [])
     bases = [su.internal_port_base() for _ in range(1000)]
     assert all(20000 <= b < 30000 and b % 100 == 0 for b in bases)
     assert all(len(set(bases[i:i + 51])) == 51 for i in range(len(bases) - 50))
@@ -54,8 +55,8 @@ def test_internal_port_bases_never_repeat_within_50_servers(monkeypatch):
 
 
 @needs_window
-def test_a_long_session_does_not_run_out_of_ports(monkeypatch):
-    monkeypatch.setattr(su, "_HANDED_OUT", set())
+def test_a_long_lived_process_does_not_run_out_of_ports(monkeypatch):
+    monkeypatch.setattr(ports, "_HANDED_OUT", set())
     lo, hi = su.listen_window()
     got = [su.free_ports(1)[0] for _ in range(hi - lo)]  # as many as the window holds
     assert all(lo <= p < hi for p in got)
@@ -64,7 +65,7 @@ def test_a_long_session_does_not_run_out_of_ports(monkeypatch):
 @needs_window
 def test_a_port_window_of_its_own_for_each_of_two_test_processes(monkeypatch):
     # Halves of this process's own window (make test gives the unit tests a part of it).
-    monkeypatch.setattr(su, "_HANDED_OUT", set())
+    monkeypatch.setattr(ports, "_HANDED_OUT", set())
     lo, hi = su.listen_window()
     top, mid = su.ephemeral_port_range()[0], (lo + hi) // 2
     monkeypatch.setenv(su.PORT_WINDOW_ENV, f"{lo}-{mid}")
@@ -164,8 +165,8 @@ def test_server_start_runs_in_the_engine_env(monkeypatch, tmp_path):
         seen.update(cmd=cmd, env=env)
         return None
 
-    monkeypatch.setattr(su, "start_process", start_process)
-    monkeypatch.setattr(su, "vllm_cli", lambda python=None: ["vllm"])
+    monkeypatch.setattr(server, "start_process", start_process)
+    monkeypatch.setattr(engine, "vllm_cli", lambda python=None: ["vllm"])
     su.Server.start("ffn", "/models/deepseek_v2", 31001, tmp_path / "ffn.log",
                     env={"VLLM_AFD_SECRET": "s"})  # fmt: skip
     env = seen["env"]

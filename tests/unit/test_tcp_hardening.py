@@ -1,4 +1,4 @@
-"""Hardening of the TCP connector (issue 19, items 2-6, 10 and 13) over real sockets:
+"""Hardening of the TCP connector over real sockets:
 descriptors >= 1024, the handshake cap and thread-start failures, accept() backoff, the
 device-channel setup outside the connector lock, steps that fail part-way, the
 challenge-response authentication and text from a peer in logs and errors."""

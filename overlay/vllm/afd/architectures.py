@@ -50,7 +50,7 @@ class Family:
     # (tests/gpu/test_gpu_oracle.py) that prove the family.
     cpu_oracle: tuple[str, ...] = ()
     gpu_oracle: tuple[str, ...] = ()
-    # The lines whose GPU oracle ran (docs/gpu-results.md); the CPU oracle runs in CI on
+    # The lines whose GPU oracle ran (docs/results/); the CPU oracle runs in CI on
     # every line of ``lines`` that is in CPU_LINES.
     gpu_lines: tuple[str, ...] = ()
     # How the CPU checkpoint departs from the released model, or what keeps the CPU

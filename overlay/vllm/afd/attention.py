@@ -22,7 +22,9 @@ from torch.profiler import record_function
 from vllm.afd import compat, dbo, failure, metrics, rejoin
 from vllm.afd.protocol import AFDHandshakeError, AFDPeerError, AFDProtocolError
 from vllm.afd.roles import afd_config
-from vllm.afd.roles import graph_capture_guard as graph_capture_guard  # patch 0013 imports it here
+from vllm.afd.roles import (
+    graph_capture_guard as graph_capture_guard,  # patch graph-capture-guard imports it here
+)
 from vllm.distributed.afd.base import ConnectorContext, create_attention_connector
 from vllm.logger import init_logger
 

@@ -8,12 +8,12 @@ Micro-batching (DBO), upstream changes this module absorbs:
 
 * vLLM 0.32.0 gave model runner V2 a micro-batch runner, ``UBatchRunner``
   (``vllm/v1/worker/gpu/ubatch_utils.py``), where AFD hooks in through
-  :mod:`vllm.afd.dbo_v2` (patch 0018 of targets 0.32.0 and 0.33.0, 0016 of 0.34.0);
+  :mod:`vllm.afd.dbo_v2` (patch ``dbo-runner-v2``);
   :data:`HAS_V2_UBATCH_RUNNER`.
 * vLLM 0.34.0 deleted model runner V1 (``gpu_model_runner.py``,
   ``cpu_model_runner.py``, ``gpu_ubatch_wrapper.py``), so runner V2's
   ``UBatchRunner`` is the only one left. On the lines that still have V1 (0.26.0 to
-  0.33.0) its CUDA ``UBatchWrapper`` micro-batches (patch 0012), and the CPU
+  0.33.0) its CUDA ``UBatchWrapper`` micro-batches (patch ``dbo-runner-v1``), and the CPU
   micro-batch wrapper of :mod:`vllm.afd.dbo` runs with the V1 CPU model runner;
   :data:`HAS_V1_RUNNER`.
 

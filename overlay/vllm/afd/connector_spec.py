@@ -6,8 +6,9 @@ configuration validation (``vllm.config.afd``: names and aliases, the devices, C
 graphs, DBO, failover, the FFN ranks it serves, the ``connector_extra_config`` keys with
 their types and bounds), the registry (``vllm.distributed.afd.base``: the module and
 classes, imported on first use, whose declared capabilities must agree with the record)
-and the capability matrix of docs/connectors.md (``render_matrix``, checked by
-``make check``). Capabilities are declared here, never probed.
+and the docs: the capability matrix of docs/connectors.md and the per-line matrix of
+docs/status.md (``scripts/status_page.py``, checked by ``make check``). Capabilities are
+declared here, never probed.
 
 Pure Python (no torch, no vLLM import): it is read at argument-parse time.
 

@@ -15,7 +15,7 @@ serves the two micro-batches alternately, layer by layer (see
 On CUDA vLLM's own micro-batch runner runs the threads (streams, graphs; it
 is told the token counts of the step's micro-batches, :func:`note_ubatch_tokens`,
 which the cuda_ipc connector announces in micro-batch 0's control message):
-model runner V1's ``UBatchWrapper`` (patch 0012, vLLM <= 0.33.0) or model runner
+model runner V1's ``UBatchWrapper`` (patch ``dbo-runner-v1``, vLLM <= 0.33.0) or model runner
 V2's ``UBatchRunner`` (:mod:`vllm.afd.dbo_v2`, the only runner from vLLM 0.34.0
 on). The CPU has no streams, so :class:`CPUUBatchWrapper` runs them with the same
 hand-over (vLLM's ``UBatchContext`` with the stream work left out; model runner
@@ -230,7 +230,7 @@ def should_ubatch(
     rank: at least the DBO token threshold, and no empty last micro-batch (the
     split point is half of the CUDA-graph padded count ``num_tokens_padded``).
     Prefill and decode steps follow vLLM's two DBO token thresholds, on the CPU
-    and on CUDA (where split FLASH_ATTN steps need patch 0014). AFD adds its own
+    and on CUDA (where split FLASH_ATTN steps need patch ``ubatch-metadata-cache``). AFD adds its own
     floor, :func:`configure`: below it a split costs more than it can win."""
     from vllm.v1.worker.ubatch_utils import check_ubatch_thresholds, is_last_ubatch_empty
 

@@ -7,7 +7,7 @@ says only "EngineCore encountered an issue". The AFD runtime therefore
 records its failure in a small file (``<role>-<rank>-<pid>.error`` next to
 the metrics snapshots, in the private directory of
 :func:`vllm.afd.metrics.metrics_dir`) before the exception travels up, and
-``EngineDeadError`` (patch 0011) appends the failure of its own server's
+``EngineDeadError`` (patch ``engine-dead-peer``) appends the failure of its own server's
 processes: the client reads e.g. "... AFD: lost AFD peer FFN rank 0 at
 10.0.0.2:29600: connection closed". Since that text reaches clients it is
 cleaned on the way in and out (:func:`clean_message`: no control or format

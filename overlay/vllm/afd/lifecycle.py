@@ -10,7 +10,7 @@ leaves an FFN rank serving its attention servers, its AFD port bound (a
 restarted FFN server cannot listen), and the attention side never told.
 
 :func:`watch_parent` (hooked at the start of the engine-core and worker
-processes of an AFD server, patch 0015) starts a thread that polls the
+processes of an AFD server, patch ``end-with-parent``) starts a thread that polls the
 process's parent every :data:`POLL_S`; once the parent is gone (the process
 was re-parented to init or a subreaper) it records the failure, releases
 what an ``os._exit`` would leave behind (vLLM's CPU shared-memory files, the

@@ -612,7 +612,7 @@ _health: tuple[str, float, str | None] | None = None  # (directory, monotonic, a
 
 
 def health_problem(snapshots: list[dict] | None = None) -> str | None:
-    """Why this server is alive but not ready, for its /health (patch 0018): an AFD
+    """Why this server is alive but not ready, for its /health (patch ``health-afd-wait``): an AFD
     attention rank of it is waiting for its lost FFN rank (its step held, requests queued,
     see vllm.afd.rejoin). None when all is well or the server runs no AFD attention rank.
     ``snapshots``: those of :func:`read_snapshots`; default: this server's, read at most

@@ -589,7 +589,7 @@ class AFDConfig:
     def compile_factors(self) -> dict[str, Any]:
         """Everything that changes what the model computes or which layers this process
         builds; the address of the peer does not. vLLM 0.34.0's
-        ``VllmConfig.compile_factors`` takes them under ``"afd"`` (patch 0001)."""
+        ``VllmConfig.compile_factors`` takes them under ``"afd"`` (patch ``afd-config``)."""
         return {
             "role": self.role,
             "connector": self.connector,
@@ -600,7 +600,7 @@ class AFDConfig:
 
     def compute_hash(self) -> str:
         """The hash of :meth:`compile_factors` (``VllmConfig.compute_hash`` up to vLLM
-        0.33.0, patch 0001)."""
+        0.33.0, patch ``afd-config``)."""
         factors = json.dumps(self.compile_factors(), sort_keys=True)
         return hashlib.sha256(factors.encode()).hexdigest()[:32]
 
