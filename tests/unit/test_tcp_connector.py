@@ -25,6 +25,7 @@ from tcp_lib import (
     fingerprint,
     kill,
     make_ctx,
+    serve_one_step,
     step_to_ffn,
     wait_lost,
     wait_peers,
@@ -415,6 +416,24 @@ def test_2a1f_missing_rank_times_out(net):
         deadline = time.monotonic() + TIMEOUT + 3
         while time.monotonic() < deadline:
             ffn.wait_step(0.1)
+
+
+def test_2a1f_elastic_ffn_serves_with_an_empty_slot(net):
+    """ffn_elastic_attention: an attention slot that never connects does not end the FFN
+    rank; the connected rank is served, and the empty slot's rank is taken when it comes."""
+    port = free_port()
+    ffn = net.ffn(port, m=2, extra={"ffn_elastic_attention": True})
+    ffn.start()
+    att = net.attention(port, rank=0, m=2)
+    Bg(att.connect).get()
+    deadline = time.monotonic() + TIMEOUT + 1.5
+    while time.monotonic() < deadline:  # past timeout_s with rank 1 absent: no error
+        ffn.wait_step(0.1)
+    serve_one_step(ffn, att, 1)
+    late = net.attention(port, rank=1, m=2)
+    Bg(late.connect).get()
+    wait_until(lambda: 1 in ffn.peers)
+    serve_one_step(ffn, late, 1)
 
 
 # ------------------------------------------------------- (c) fingerprint mismatch

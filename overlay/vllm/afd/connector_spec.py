@@ -157,6 +157,13 @@ FAILOVER_KEY = ExtraKey(
     "FFN replicas: an attention rank whose FFN rank is lost moves to another replica",
 )
 
+# On the control channel's FFN side (gloo, nixl): the FFN rank does not end when some of its
+# attention ranks never join (slots a scaler starts later, vllm.afd.deploy).
+ELASTIC_KEY = ExtraKey(
+    "ffn_elastic_attention", BOOL, False,
+    "FFN side: attention slots may stay empty (started later); no start-up wait for all",
+)
+
 SPECS: dict[str, ConnectorSpec] = {}
 
 
@@ -226,7 +233,7 @@ register(ConnectorSpec(
     rejoin="yes",
     failover=True,
     ffn_group=True,
-    extra_keys=(FAILOVER_KEY,),
+    extra_keys=(FAILOVER_KEY, ELASTIC_KEY),
 ))
 
 register(ConnectorSpec(
@@ -277,6 +284,7 @@ register(ConnectorSpec(
     requires="nixl",
     extra_keys=(
         FAILOVER_KEY,
+        ELASTIC_KEY,
         ExtraKey("nixl_backend", STRING, "UCX",
                  "the NIXL backend that moves the activations (UCX: RDMA, TCP or shared memory)"),
     ),

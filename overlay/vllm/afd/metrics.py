@@ -605,7 +605,7 @@ def collect_families(snapshots: list[dict]):
     yield from (f for f in families if f.samples)
 
 
-# /health (patch 0018) runs health_problem() on the API server's event loop: the
+# /health (patch `health-afd-wait`) runs health_problem() on the API server's event loop: the
 # snapshots are read at most once per HEALTH_CACHE_S, the answers between are cached.
 HEALTH_CACHE_S = 1.0
 _health: tuple[str, float, str | None] | None = None  # (directory, monotonic, answer)

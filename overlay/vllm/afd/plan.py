@@ -1250,8 +1250,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({'; '.join(cal.sources)})")
     print(f"TPOT <= {a.tpot_ms:g} ms, mean context {ctx:,.0f} tokens, routing {a.routing}")
     plans = []
-    print(f"\n{'GPUs':>4}  {'AFD (A:F, batch/attention GPU, micro-batches)':64s}  "
-          f"AFD/colocated")
+    print(f"\n{'GPUs':>4}  {'deployment':10s} {'A:F, batch b, micro-batches m, TPOT, throughput':64s}"
+          f"  AFD against it")
     for n in gpus:
         pl = plan(m, cl, cal, n, a.tpot_ms / 1e3, ctx, a.routing, mbs)
         plans.append(pl)

@@ -777,6 +777,9 @@ class TCPFFNConnector(FFNConnector):
         self._stop = threading.Event()
         self._started_at = 0.0
         self._ever_complete = False
+        # connector_extra_config.ffn_elastic_attention: attention slots may stay empty (a
+        # scaler starts their servers later): no start-up wait for all of them.
+        self._elastic = cfg.connector_extra_config.get("ffn_elastic_attention", False) is True
         self._last_refusal: str | None = None  # named in the start-up timeout error
         self.lost: dict[int, str] = {}  # why each attention rank's last session ended
         self._accept_thread: threading.Thread | None = None
@@ -1136,7 +1139,7 @@ class TCPFFNConnector(FFNConnector):
             peers = list(self.peers.values())
             complete = self._ever_complete
         now = time.monotonic()
-        if not complete and now - self._started_at > self.timeout:
+        if not complete and not self._elastic and now - self._started_at > self.timeout:
             missing = sorted(self.expected - {p.rank for p in peers})
             refused = f" Last refused hello: {self._last_refusal}." if self._last_refusal else ""
             raise AFDPeerError(
