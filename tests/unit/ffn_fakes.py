@@ -44,6 +44,7 @@ class FakeRunner(ffn_runner.FFNModelRunner):
         self.max_pass_tokens = max_pass_tokens
         self._pending, self.split_steps = [], 0
         self._lost, self.peers_lost = set(), 0
+        self._tasks, self.straggler_splits = [], 0
 
 
 @pytest.fixture

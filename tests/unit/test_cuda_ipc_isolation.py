@@ -16,7 +16,14 @@ import pytest
 import torch
 import torch.multiprocessing.reductions as reductions
 
-from vllm.afd.protocol import MSG_STEP, AFDProtocolError, pack_hello
+from vllm.afd.protocol import (
+    MSG_HEARTBEAT,
+    MSG_PROFILE,
+    MSG_STEP,
+    AFDProtocolError,
+    Control,
+    pack_hello,
+)
 from vllm.config.afd import AFDConfig
 from vllm.distributed.afd import cuda_ipc as ipc
 from vllm.distributed.afd.base import ConnectorContext
@@ -293,6 +300,42 @@ def test_a_closed_rank_is_dropped_with_its_waits_released_and_the_other_kept(cpu
         assert set(conn.peers) == {1} and "connection closed" in conn.lost[0]
         assert conn.inboxes[0].ctrl[0, ipc.C_DATA : ipc.C_DATA + ipc.SLOTS].eq(ipc.POISON).all()
         assert conn.inboxes[1].ctrl[0, ipc.C_DATA :].ne(ipc.POISON).all()
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+def test_a_rank_stopped_mid_control_frame_holds_no_other_rank(cpu_buffers):
+    """The FFN host's check of its ranks' control channels (heartbeats, goodbyes, profiler
+    requests; steps come by device) reads a frame as its bytes come: a rank stopped
+    mid-frame holds neither the check nor the other rank, and is dropped at its own
+    deadline (timeout_s after its last byte), its waits released. Before, the check read
+    the frame to its end, blocking timeout_s."""
+    conn = _ffn(m=2)  # timeout_s 2
+    conn._make_buffers(torch.device("cpu"))
+    pairs = [socket.socketpair() for _ in range(2)]
+    peers = [Peer(r, pairs[r][0], f"127.0.0.1:{4000 + r}") for r in (0, 1)]
+    conn.peers = {p.rank: p for p in peers}
+    try:
+        pairs[1][1].sendall(Control(MSG_HEARTBEAT).pack()[:5])  # then it stops
+        last_byte = time.monotonic()
+        pairs[0][1].sendall(Control(MSG_PROFILE, flags=1).pack())
+        t0 = time.monotonic()
+        conn._check_sockets(peers)
+        assert time.monotonic() - t0 < 0.5
+        assert conn.take_profile_requests() == [True] and set(conn.peers) == {0, 1}
+        while 1 in conn.peers:  # rank 0 heartbeats on; rank 1 stays stopped
+            assert time.monotonic() - last_byte < 4.0, "rank 1 not dropped"
+            pairs[0][1].sendall(Control(MSG_HEARTBEAT).pack())
+            conn._check_sockets([p for p in peers if conn.peers.get(p.rank) is p])
+            time.sleep(0.05)
+        took = time.monotonic() - last_byte
+        assert 1.9 <= took <= 2.5, took
+        assert "attention rank 1 at 127.0.0.1:4001: nothing received for 2 s" in conn.lost[1]
+        assert set(conn.peers) == {0}
+        assert conn.inboxes[1].ctrl[0, ipc.C_DATA : ipc.C_DATA + ipc.SLOTS].eq(ipc.POISON).all()
+        assert conn.inboxes[0].ctrl[0, ipc.C_DATA :].ne(ipc.POISON).all()
     finally:
         for a, b in pairs:
             a.close()

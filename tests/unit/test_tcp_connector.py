@@ -830,6 +830,22 @@ def test_batch_window_joins_a_rank_that_steps_a_moment_later(net):
     assert sorted((p.rank, p.control.num_tokens) for p in ready) == [(0, 3), (1, 4)]
 
 
+def test_the_batch_window_reads_no_data_of_a_step_already_read(net):
+    """Regression: while the window waited for a recently active rank, the sockets of all
+    ranks were read between steps - the first layer's data of the step already read
+    (sent right after its control message) included, taken for a control message."""
+    ffn, (a0, a1) = _two_ranks(net, window_ms=300)
+    _serve_one(ffn, a1, 1)  # rank 1 is now a recently active rank
+    a0.begin_step(2, 3)
+    x = torch.randn(3, HIDDEN)
+    a0.send(x)
+    ready = ffn.wait_step(1.0)
+    assert [(p.rank, p.control.num_tokens) for p in ready] == [(0, 3)]
+    buf = torch.empty(3, HIDDEN)
+    ffn.recv(ready[0], buf)
+    assert torch.equal(buf, x) and set(ffn.peers) == {0, 1}
+
+
 def test_goodbye_of_a_recently_active_rank_during_the_batch_window(net):
     """Regression: the window waited on the socket of a rank that had just said goodbye."""
     ffn, (a0, a1) = _two_ranks(net, window_ms=200)

@@ -67,6 +67,15 @@ def graph_window(extra: dict, ranks: int) -> int:
     return int(extra.get("ffn_cuda_graph_window", GRAPH_WINDOW_PER_RANK * ranks))
 
 
+# A pass over a connector with async_io (TCP) waits this long for the layer inputs of its
+# late ranks once the first of its ranks has sent its own (or, when none has, since the
+# inputs were posted): then the ranks whose inputs arrived go on, and the late ones become a
+# pass of their own, parked until their inputs arrive or their own deadline (timeout_s) ends
+# their session. A rank that stops mid-frame so stalls the others of its pass this long,
+# once; a slow but live rank (a long prefill among decodes) costs only that pass's sharing.
+STRAGGLER_S = 0.25
+
+
 def split_passes(ready: list, max_tokens: int) -> list[list]:
     """The step peers ``ready`` in arrival order, cut into passes of at most
     ``max_tokens`` tokens each (see AFDConfig.ffn_pass_tokens); a step is never split."""
@@ -161,6 +170,10 @@ class FFNModelRunner:
         # outputs not sent), and how many sessions were lost so in all.
         self._lost: set[int] = set()
         self.peers_lost = 0
+        # async_io connectors: the passes in flight (_Pass, _UbatchedPass), each at its
+        # own layer; and how often a pass went on without its late ranks.
+        self._tasks: list = []
+        self.straggler_splits = 0
         self.gates: dict[int, _GivenRouterLogits] = {}
         self.rank = 0
         self.group = None  # vLLM's tensor-parallel group of an FFN group
@@ -310,11 +323,13 @@ class FFNModelRunner:
                         self._serve_group_once(t0)
                         continue
                     with record_function("afd.wait_step"):
-                        ready = self.connector.wait_step(timeout=0.2)
-                    if ready:
+                        ready = self.connector.wait_step(timeout=self._wait_timeout())
+                    served = False
+                    if ready or self._tasks:
                         # One span per served step (benchmarks/breakdown.py counts them).
                         with record_function("afd.ffn_step"):
-                            self._run_step(ready)
+                            served = self._run_step(ready)
+                    if served:
                         self._settle()
                         if self.profiler is not None:
                             self.profiler.step()  # counts steps for delay/max iterations
@@ -451,9 +466,14 @@ class FFNModelRunner:
         if self._settle_passes:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _run_step(self, ready) -> None:
-        # Micro-batched (DBO) steps are served on their own, layer by layer
-        # alternating between the micro-batches; the others share one pass.
+    def _run_step(self, ready) -> bool:
+        """Serve the steps of ``ready``; True when a layer ran. Micro-batched (DBO) steps
+        are served on their own, layer by layer alternating between the micro-batches; the
+        others share passes of at most max_pass_tokens. With an async_io connector the
+        passes run side by side (_serve_async); else one after another, each layer waiting
+        for its ranks' inputs one rank after another."""
+        if getattr(self.connector, "async_io", False):
+            return self._serve_async(ready)
         ubatched = [p for p in ready if ubatch_of(p.control.flags)[1]]
         if ubatched:
             for peer in ubatched:
@@ -467,6 +487,93 @@ class FFNModelRunner:
             self._count_split(ready, len(passes))
         for peers in passes:
             self._run_pass(peers)
+        return True
+
+    # -- async_io connectors: every rank served as its bytes arrive --------------
+    def _serve_async(self, ready) -> bool:
+        """Open a pass for the steps of ``ready`` (as _run_step cuts them) and serve the
+        passes in flight until each is done or parked (_drive). True when a layer ran."""
+        plain = [p for p in ready if not ubatch_of(p.control.flags)[1]]
+        for peer in ready:
+            if ubatch_of(peer.control.flags)[1]:
+                self._open(_UbatchedPass, peer, peer)
+        passes = split_passes(plain, self.max_pass_tokens)
+        if len(passes) > 1:
+            self._count_split(plain, len(passes))
+        for peers in passes:
+            self._open(_Pass, peers[0], peers)
+        return self._drive()
+
+    def _open(self, kind, first, arg) -> None:
+        try:
+            task = kind(self, arg)
+        except AFDPeerError as e:
+            self._lose_peer(first, e)
+            return
+        if not task.done:
+            self._tasks.append(task)
+
+    def _drive(self) -> bool:
+        """Run a layer of every pass whose inputs all arrived, pumping the bytes of all
+        ranks meanwhile (connector.pump), until every pass is done or parked (its ranks
+        late by STRAGGLER_S: the serve loop takes new steps then, and each wait_step
+        comes back as soon as a posted message arrives). A pass's ranks whose inputs
+        arrived go on without its late ones (_Pass.advance). True when a layer ran."""
+        ran = False
+        while self._tasks:
+            now = time.monotonic()
+            progressed = False
+            for task in list(self._tasks):
+                try:
+                    progressed |= task.advance(now)
+                except AFDPeerError as e:  # a micro-batched pass's only rank
+                    self._lose_peer(task.first, e)
+                    task.done = True
+                if task.done:
+                    self._tasks.remove(task)
+            ran |= progressed
+            active = [t for t in self._tasks if not t.parked]
+            if not active:
+                break
+            if not progressed:
+                wake = min(t.wake() for t in active)
+                with record_function("afd.recv"):
+                    self.connector.pump(max(0.0, wake - time.monotonic()))
+        return ran
+
+    def _wait_timeout(self) -> float:
+        """How long the serve loop's wait_step may wait: 0.2 s, less when a parked pass
+        must go on without its late ranks sooner."""
+        wakes = [w for t in self._tasks if (w := t.wake()) is not None]
+        if not wakes:
+            return 0.2
+        return min(0.2, max(0.0, min(wakes) - time.monotonic()))
+
+    def _block(self, layer_idx: int, module, x: torch.Tensor, logits) -> torch.Tensor:
+        """The FFN block of layer ``layer_idx`` on rows ``x`` (router logits ``logits``
+        when the gate runs on the attention role)."""
+        from vllm.forward_context import set_forward_context
+
+        router = self.gates.get(layer_idx)
+        with record_function("afd.ffn_compute"), set_forward_context(
+            None, self.vllm_config, num_tokens=x.shape[0]
+        ):
+            y = module(x) if router is None else router.forward(module, x, logits)
+            if self._sync_timing:
+                torch.cuda.current_stream().synchronize()
+        return y
+
+    def _note_straggler(self, pos: int, late: list, kept: list) -> None:
+        self.straggler_splits += 1
+        metrics.STATS.inc("ffn_straggler_splits")
+        if self.straggler_splits == 1:
+            logger.warning(
+                "AFD FFN role: the input of layer position %d from attention rank(s) %s came "
+                "%.2f s after that of rank(s) %s of the same pass: those are served on, the "
+                "late rank(s) continue on their own as their bytes arrive, or end at their "
+                "own deadline (timeout_s); logged once",
+                pos, [p.rank for p in late], STRAGGLER_S, [p.rank for p in kept],
+            )  # fmt: skip
 
     def _count_split(self, ready, n: int) -> None:
         if not self.split_steps:
@@ -795,3 +902,242 @@ class FFNModelRunner:
 
     def shutdown(self) -> None:
         self.stop()
+
+
+class _Pass:
+    """A pass of an async_io connector: the steps of ``peers`` share every layer from
+    layer position ``pos`` on. Each layer's inputs are posted (rows of ``x``, and of
+    ``logits`` when the gate runs on the attention role); the layer runs once all of
+    them arrived. A rank whose input is STRAGGLER_S later than the first of the pass's
+    is split off into a pass of its own, parked, which keeps the rows it is receiving
+    into and goes on when they arrived."""
+
+    def __init__(self, runner: FFNModelRunner, peers: list, pos: int = 0, split=None):
+        self.runner = runner
+        self.conn = runner.connector
+        self.layers = list(runner.modules.items())
+        self.peers = list(peers)
+        self.first = self.peers[0]
+        self.pos = pos
+        self.done = self.parked = False
+        self.transfer = self.compute = 0.0
+        if split is None:
+            self._post()
+        else:  # the late ranks of another pass, still receiving into its rows
+            self.x, self.logits, self.rows, self.since = split
+            self.arrived_at: float | None = None
+            self.parked = True
+
+    def _post(self) -> None:
+        """Post this layer's inputs of every rank: rows of fresh ``x`` (and logits)."""
+        r = self.runner
+        idx = self.layers[self.pos][0]
+        router = r.gates.get(idx)
+        total = sum(p.control.num_tokens for p in self.peers)
+        self.x = torch.empty((total, r.hidden_size), dtype=r.dtype, device=r.device)
+        self.logits = None
+        if router is not None:
+            self.logits = torch.empty((total, router.num_experts), dtype=torch.float32,
+                                      device=r.device)  # fmt: skip
+        self.rows: dict[int, tuple[int, int]] = {}
+        end = 0
+        for p in list(self.peers):
+            start, end = end, end + p.control.num_tokens
+            self.rows[p.rank] = (start, end)
+            posted = r._io(self.conn.post_recv, p, self.x[start:end])
+            if posted and self.logits is not None:
+                posted = r._io(self.conn.post_recv, p, self.logits[start:end])
+            if not posted:
+                self.peers.remove(p)
+        self.since = time.monotonic()
+        self.arrived_at = None
+        self.parked = False
+        if not self.peers:
+            self.done = True
+
+    def wake(self) -> float | None:
+        """When this pass must go on without its late ranks (or park); None while parked
+        and none of its inputs arrived (it goes on once they do)."""
+        if self.arrived_at is not None:
+            return self.arrived_at + STRAGGLER_S
+        return None if self.parked else self.since + STRAGGLER_S
+
+    def advance(self, now: float) -> bool:
+        """Run this layer if its inputs all arrived, or those that did once the others are
+        STRAGGLER_S late; park the pass when none arrived within STRAGGLER_S. True when a
+        layer ran (or the pass lost all its ranks)."""
+        late = []
+        for p in list(self.peers):
+            try:
+                if not self.conn.arrived(p):
+                    late.append(p)
+            except AFDPeerError as e:  # its own deadline passed, EOF, a protocol error
+                self.runner._lose_peer(p, e)
+                self.peers.remove(p)
+        if not self.peers:
+            self.done = True
+            return True
+        if not late:
+            self._layer()
+            return True
+        if len(late) < len(self.peers):
+            if self.arrived_at is None:
+                self.arrived_at = now
+            if now - self.arrived_at >= STRAGGLER_S:
+                self._split(late)
+                self._layer()
+                return True
+        elif not self.parked and now - self.since >= STRAGGLER_S:
+            self.parked = True
+        return False
+
+    def _split(self, late: list) -> None:
+        kept = [p for p in self.peers if not any(p is q for q in late)]
+        self.runner._note_straggler(self.pos, late, kept)
+        rows = {p.rank: self.rows[p.rank] for p in late}
+        self.runner._tasks.append(
+            _Pass(self.runner, late, self.pos, (self.x, self.logits, rows, self.since))
+        )
+        self.peers = kept
+
+    def _layer(self) -> None:
+        """Take this layer's inputs, run the block on them, post each rank its rows of
+        the output and the next layer's inputs."""
+        r, conn = self.runner, self.conn
+        idx, module = self.layers[self.pos]
+        t0 = time.perf_counter()
+        with record_function("afd.recv"):
+            for p in list(self.peers):
+                try:
+                    conn.take(p)
+                except AFDPeerError as e:
+                    r._lose_peer(p, e)
+                    self.peers.remove(p)
+        if not self.peers:
+            self.done = True
+            return
+        spans = [self.rows[p.rank] for p in self.peers]
+        x = _rows(self.x, spans)
+        logits = None if self.logits is None else _rows(self.logits, spans)
+        t1 = time.perf_counter()
+        y = r._block(idx, module, x, logits)
+        t2 = time.perf_counter()
+        with record_function("afd.send"):
+            a = 0
+            for p in list(self.peers):
+                n = p.control.num_tokens
+                if not r._io(conn.post_send, p, y[a : a + n]):
+                    self.peers.remove(p)
+                a += n
+        t3 = time.perf_counter()
+        metrics.STATS.layer(idx, t2 - t1)
+        self.transfer += (t1 - t0) + (t3 - t2)
+        self.compute += t2 - t1
+        self.pos += 1
+        if not self.peers:
+            self.done = True
+        elif self.pos == len(self.layers):
+            self.done = True
+            r._account(self.peers, self.compute, self.transfer)
+        else:
+            self._post()
+
+
+class _UbatchedPass:
+    """A micro-batched (DBO) step of one rank over an async_io connector: for every layer,
+    micro-batch 0, 1, ... in turn, as _run_ubatched serves it, each message posted and the
+    layer of a micro-batch run once its input arrived (a later micro-batch's control message
+    first, at layer 0). Parked when its rank is STRAGGLER_S late: the others are served
+    meanwhile."""
+
+    def __init__(self, runner: FFNModelRunner, first):
+        index, count = ubatch_of(first.control.flags)
+        if index != 0:
+            raise AFDPeerError(
+                f"AFD attention rank {first.rank} opened a step with micro-batch {index} "
+                f"of {count} (expected 0)"
+            )
+        self.runner = runner
+        self.conn = runner.connector
+        self.layers = list(runner.modules.items())
+        self.first, self.count = first, count
+        self.peers = [first]  # one step peer per micro-batch, as their controls arrive
+        self.pos = self.i = 0
+        self.done = self.parked = False
+        self.transfer = self.compute = 0.0
+        self._post()
+
+    def _post(self) -> None:
+        r = self.runner
+        self.x = self.logits = None
+        if self.i == len(self.peers):
+            self.conn.post_control(self.first)
+        else:
+            n = self.peers[self.i].control.num_tokens
+            router = r.gates.get(self.layers[self.pos][0])
+            self.x = torch.empty((n, r.hidden_size), dtype=r.dtype, device=r.device)
+            self.conn.post_recv(self.first, self.x)
+            if router is not None:
+                self.logits = torch.empty((n, router.num_experts), dtype=torch.float32,
+                                          device=r.device)  # fmt: skip
+                self.conn.post_recv(self.first, self.logits)
+        self.since = time.monotonic()
+        self.parked = False
+
+    def wake(self) -> float | None:
+        return None if self.parked else self.since + STRAGGLER_S
+
+    def advance(self, now: float) -> bool:
+        if not self.conn.arrived(self.first):
+            if not self.parked and now - self.since >= STRAGGLER_S:
+                self.parked = True
+            return False
+        r = self.runner
+        t0 = time.perf_counter()
+        controls = self.conn.take(self.first)
+        if self.x is None:  # micro-batch i's control message
+            ctrl = controls[-1]
+            if (
+                ctrl.type != MSG_STEP
+                or ctrl.step_id != self.first.control.step_id
+                or ubatch_of(ctrl.flags) != (self.i, self.count)
+            ):
+                raise AFDPeerError(
+                    f"AFD attention rank {self.first.rank}: expected micro-batch {self.i} of "
+                    f"{self.count} of step {self.first.control.step_id}, got step "
+                    f"{ctrl.step_id} flags {ctrl.flags:#x}"
+                )
+            self.peers.append(StepPeer(self.first.rank, ctrl, self.first.session))
+            self._post()
+            return True
+        idx, module = self.layers[self.pos]
+        t1 = time.perf_counter()
+        y = r._block(idx, module, self.x, self.logits)
+        t2 = time.perf_counter()
+        with record_function("afd.send"):
+            self.conn.post_send(self.peers[self.i], y)
+        t3 = time.perf_counter()
+        metrics.STATS.layer(idx, t2 - t1)
+        self.transfer += (t1 - t0) + (t3 - t2)
+        self.compute += t2 - t1
+        self.i += 1
+        if self.i == self.count:
+            self.i, self.pos = 0, self.pos + 1
+        if self.pos == len(self.layers):
+            self.done = True
+            r._count_ubatched(self.first.rank, self.count)
+            r._account(self.peers, self.compute, self.transfer, batched=False)
+        else:
+            self._post()
+        return True
+
+
+def _rows(t: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows ``spans`` of ``t``, in order: ``t`` itself when they cover it."""
+    if spans[0][0] == 0 and spans[-1][1] == t.shape[0] and all(
+        a[1] == b[0] for a, b in zip(spans, spans[1:])
+    ):
+        return t
+    if len(spans) == 1:
+        return t[spans[0][0] : spans[0][1]]
+    return torch.cat([t[a:b] for a, b in spans])

@@ -170,6 +170,12 @@ class FFNConnector(ABC):
     # restarted). False: a lost attention rank ends the FFN rank (wait_step, or
     # the runner on a failed step, raises).
     survives_peer_loss = False
+    # True when the FFN rank posts its receives and sends (post_recv, post_control,
+    # post_send) and moves the bytes of all its attention ranks at once (pump, arrived,
+    # take): the runner then runs a layer for the ranks whose inputs arrived and never
+    # waits on one rank's bytes for another. False: recv and send wait (or queue device
+    # work) one rank after another.
+    async_io = False
 
     def __init__(self, ctx: ConnectorContext):
         self.ctx = ctx
@@ -201,6 +207,36 @@ class FFNConnector(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    # -- async_io connectors -------------------------------------------------
+    def post_recv(self, peer: StepPeer, out: torch.Tensor) -> None:
+        """Receive this peer's next layer input into ``out`` as its bytes arrive."""
+        raise NotImplementedError(self._no_async_io())
+
+    def post_control(self, peer: StepPeer) -> None:
+        """Receive the control message of this peer's next micro-batch (DBO)."""
+        raise NotImplementedError(self._no_async_io())
+
+    def arrived(self, peer: StepPeer) -> bool:
+        """Every message posted for this peer has arrived; AFDPeerError when its
+        session is gone."""
+        raise NotImplementedError(self._no_async_io())
+
+    def take(self, peer: StepPeer) -> list[Control]:
+        """Finish the arrived messages of this peer; the control messages among them."""
+        raise NotImplementedError(self._no_async_io())
+
+    def post_send(self, peer: StepPeer, y: torch.Tensor) -> None:
+        """Send this peer's layer output without waiting for the peer to take it."""
+        raise NotImplementedError(self._no_async_io())
+
+    def pump(self, timeout: float) -> bool:
+        """Move the bytes of every attention rank, waiting up to ``timeout`` for any;
+        True when a posted message arrived or a rank with one was lost."""
+        raise NotImplementedError(self._no_async_io())
+
+    def _no_async_io(self) -> str:
+        return f"the AFD connector {self.ctx.config.connector!r} has no posted I/O (async_io)"
 
     def drop_peer(self, peer: StepPeer, why: str) -> None:
         """A step of ``peer`` failed (``why``: an AFDPeerError of recv, send or

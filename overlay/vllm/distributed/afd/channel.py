@@ -5,10 +5,17 @@ Every read has a deadline and every send a timeout; a closed, reset or silent
 peer becomes an :class:`~vllm.afd.protocol.AFDPeerError` naming it. Messages
 are the hello frames and control structs of ``vllm.afd.protocol`` and raw
 tensor bytes whose size the receiver already knows.
+
+The FFN side reads and writes its attention ranks' sockets without blocking on any
+one of them (:func:`recv_some`, :func:`send_some`, :func:`poll_io`): a message is an
+:class:`Inbound` filled as its bytes arrive, and the bytes a rank has not taken yet
+wait in its :class:`Peer`'s send queue, so that a rank that stops mid-frame holds
+nobody but itself.
 """
 
 from __future__ import annotations
 
+import collections
 import select
 import socket
 import time
@@ -16,6 +23,7 @@ import time
 import torch
 
 from vllm.afd.protocol import (
+    CONTROL,
     HELLO_PREAMBLE,
     MSG_STEP,
     AFDPeerError,
@@ -62,6 +70,37 @@ def send_all(sock: socket.socket, data, timeout: float, peer: str) -> None:
         sock.sendall(data)
     except TimeoutError:
         raise AFDPeerError(f"AFD peer {peer} stopped reading (send timed out)") from None
+    except OSError as e:
+        raise AFDPeerError(f"lost AFD peer {peer}: {e}") from e
+
+
+def recv_some(sock: socket.socket, view: memoryview, peer: str) -> int:
+    """Read what ``sock`` holds now into ``view`` without waiting: the bytes read, 0
+    when none are waiting. AFDPeerError at EOF or on a socket error."""
+    if not len(view):
+        return 0
+    try:
+        sock.settimeout(0.0)
+        k = sock.recv_into(view, len(view))
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError as e:
+        raise AFDPeerError(f"lost AFD peer {peer}: {e}") from e
+    if k == 0:
+        raise AFDPeerError(f"lost AFD peer {peer}: connection closed")
+    return k
+
+
+def send_some(sock: socket.socket, view: memoryview, peer: str) -> int:
+    """Write what ``sock``'s buffer takes now of ``view`` without waiting: the bytes
+    written (0 when it is full). AFDPeerError on a socket error."""
+    if not len(view):
+        return 0
+    try:
+        sock.settimeout(0.0)
+        return sock.send(view)
+    except (BlockingIOError, InterruptedError):
+        return 0
     except OSError as e:
         raise AFDPeerError(f"lost AFD peer {peer}: {e}") from e
 
@@ -123,6 +162,75 @@ def readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
     return ready
 
 
+def poll_io(
+    wants: list[tuple[socket.socket, bool, bool]], timeout: float
+) -> list[tuple[bool, bool]]:
+    """For each (socket, read?, write?) of ``wants``: whether it can be read (data, EOF
+    or an error) and written now, waiting up to ``timeout`` seconds for any of them.
+    poll(2), as :func:`readable`; a socket closed meanwhile is neither."""
+    poller = select.poll()
+    fds = []
+    for sock, read, write in wants:
+        fd = sock.fileno()
+        mask = (select.POLLIN | select.POLLPRI if read else 0) | (select.POLLOUT if write else 0)
+        fds.append(fd if fd >= 0 and mask else -1)
+        if fds[-1] >= 0:
+            poller.register(fd, mask)
+    if all(fd < 0 for fd in fds):
+        time.sleep(max(0.0, timeout))
+        return [(False, False)] * len(wants)
+    events = {}
+    for fd, ev in poller.poll(max(0, int(timeout * 1000))):
+        events[fd] = ev
+    broken = select.POLLERR | select.POLLHUP
+    out = []
+    for (_, read, write), fd in zip(wants, fds):
+        ev = events.get(fd, 0) if fd >= 0 else 0
+        if ev & select.POLLNVAL:  # closed under us
+            ev = 0
+        out.append((read and bool(ev & (select.POLLIN | select.POLLPRI | broken)),
+                    write and bool(ev & (select.POLLOUT | broken))))  # fmt: skip
+    return out
+
+
+class Inbound:
+    """One message expected from an attention rank, filled as its bytes arrive: the
+    bytes of a host tensor (a layer input; staged through host memory for a device or
+    non-contiguous ``out``, copied there by :meth:`finish`), or a control frame."""
+
+    __slots__ = ("view", "got", "out", "staging", "is_control", "value")
+
+    def __init__(self, view: memoryview, out=None, staging=None, is_control: bool = False):
+        self.view = view
+        self.got = 0
+        self.out = out
+        self.staging = staging
+        self.is_control = is_control
+        self.value: Control | None = None  # a control frame's message, once it arrived
+
+    @classmethod
+    def tensor(cls, out: torch.Tensor) -> Inbound:
+        if out.device.type == "cpu" and out.is_contiguous():
+            return cls(tensor_bytes(out))
+        staging = torch.empty(out.shape, dtype=out.dtype, device="cpu")
+        return cls(tensor_bytes(staging), out, staging)
+
+    @classmethod
+    def control(cls) -> Inbound:
+        return cls(memoryview(bytearray(CONTROL.size)), is_control=True)
+
+    @property
+    def arrived(self) -> bool:
+        return self.got == len(self.view)
+
+    def rest(self) -> memoryview:
+        return self.view[self.got :]
+
+    def finish(self) -> None:
+        if self.staging is not None:
+            self.out.copy_(self.staging)
+
+
 # ------------------------------------------------------------- the peer
 class Peer:
     """An accepted attention rank, as its FFN rank sees it."""
@@ -138,6 +246,36 @@ class Peer:
         # (step id, next micro-batch index, micro-batch count) of a DBO step
         # whose later micro-batches have not all arrived.
         self.open_step: tuple[int, int, int] | None = None
+        # Non-blocking I/O of the FFN side (TCPFFNConnector.pump): the messages posted
+        # for this rank's step, in wire order (taken by the FFN once they all arrived);
+        # between steps the control frame being read; the bytes not yet sent, with the
+        # tensors they belong to; when the last byte moved either way (or a wait began).
+        self.rx: collections.deque[Inbound] = collections.deque()
+        self.ctrl: Inbound | None = None
+        self.tx: collections.deque[tuple[memoryview, object]] = collections.deque()
+        self.progress = self.last_seen
+        # A step-control message read but not handed out yet: nothing more is read
+        # from this rank until it is (its next bytes are that step's data).
+        self.held = False
+        self.why: str | None = None  # why this session was lost
+
+    def reading(self, between_steps: bool = True) -> Inbound | None:
+        """The message this rank's next bytes belong to: the first posted one not yet
+        arrived; between steps (nothing posted, no step held) a control frame, unless
+        ``between_steps`` is False (a step is being served by blocking calls). None when
+        its next bytes are not wanted yet."""
+        for m in self.rx:
+            if not m.arrived:
+                return m
+        if self.rx or self.held or not between_steps:
+            return None
+        if self.ctrl is None:
+            self.ctrl = Inbound.control()
+        return self.ctrl
+
+    def owes(self) -> bool:
+        """A message posted for this rank's step has not (wholly) arrived."""
+        return any(not m.arrived for m in self.rx)
 
     def check_step(self, ctrl: Control) -> None:
         """Step ids of this peer must grow from step to step, and the

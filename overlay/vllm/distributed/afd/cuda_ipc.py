@@ -733,6 +733,9 @@ class _Inbox:
 class IPCFFNConnector(TCPFFNConnector):
     graph_capable = True
     dbo_capable = True
+    # Layer data moves by device (cuda_ipc) or NCCL: receives queue device work one
+    # rank after another, as before; only the TCP control channel is pumped.
+    async_io = False
     # Micro-batch 0's control message announces every micro-batch of a DBO step
     # (recv_control answers from it without waiting; see vllm.afd.ffn_runner).
     ubatch_controls_upfront = True

@@ -85,6 +85,9 @@ class NCCLAttentionConnector(TCPAttentionConnector):
 
 class NCCLFFNConnector(TCPFFNConnector):
     dbo_capable = False
+    # Layer data moves by device (cuda_ipc) or NCCL: receives queue device work one
+    # rank after another, as before; only the TCP control channel is pumped.
+    async_io = False
     # The NCCL group cannot be formed again with a restarted attention rank (see
     # _admit), and a receive from a dead member cannot be cancelled: a lost
     # attention rank ends the FFN rank, as before.

@@ -95,6 +95,10 @@ class FFNPlane(ABC):
 
     graph_capable = False
     dbo_capable = False
+    # The activations travel in the channel's own byte stream (the socket plane): the
+    # channel then posts them and moves the bytes of all sessions at once
+    # (TCPFFNConnector.async_io), and recv/send here are not called.
+    in_channel = False
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -191,6 +195,7 @@ class SocketAttentionPlane(AttentionPlane):
 
 class SocketFFNPlane(FFNPlane):
     dbo_capable = True
+    in_channel = True
 
     def recv(self, link: Link, out: torch.Tensor) -> None:
         recv_tensor(link.sock, out, time.monotonic() + link.timeout, link.peer)

@@ -44,7 +44,6 @@ from vllm.afd import failure, metrics
 from vllm.afd.protocol import (
     AUTH_NONE,
     AUTH_REQUIRED,
-    CONTROL,
     MSG_GOODBYE,
     MSG_HEARTBEAT,
     MSG_PROFILE,
@@ -77,12 +76,15 @@ from vllm.distributed.afd.base import (
     register_connector,
 )
 from vllm.distributed.afd.channel import (
+    Inbound,
     Peer,
-    readable,
-    recv_bytes,
+    poll_io,
     recv_hello,
+    recv_some,
     send_all,
     send_hello,
+    send_some,
+    tensor_bytes,
 )
 from vllm.distributed.afd.plane import (
     AttentionPlane,
@@ -737,6 +739,10 @@ class TCPFFNConnector(FFNConnector):
     dbo_capable = True
     # A lost attention rank ends its own session only; the rank may connect again.
     survives_peer_loss = True
+    # Receives and sends are posted and the sockets of all attention ranks pumped
+    # together (post_recv, post_send, pump): no rank waits on another rank's bytes. With
+    # a data plane of the channel's own connection (FFNPlane.in_channel: sockets) only.
+    async_io = True
     # A rank that had a step within ACTIVE_S is waited for (up to the batch
     # window, connector_extra_config.batch_window_ms, default 5) to join a step.
     ACTIVE_S = 1.0
@@ -753,6 +759,7 @@ class TCPFFNConnector(FFNConnector):
             self.graph_capable = plane.graph_capable
             self.dbo_capable = plane.dbo_capable
         self.plane = plane if plane is not None else SocketFFNPlane(ctx)
+        self.async_io = type(self).async_io and self.plane.in_channel
         cfg = ctx.config
         self.batch_window = float(cfg.connector_extra_config.get("batch_window_ms", 5.0)) / 1e3
         self.expected = set(cfg.attention_ranks_of(ctx.rank))
@@ -777,6 +784,9 @@ class TCPFFNConnector(FFNConnector):
         self.lost: dict[int, str] = {}  # why each attention rank's last session ended
         self._accept_thread: threading.Thread | None = None
         self._profile_requests: list[bool] = []
+        # Step-control messages read (their ranks held: see Peer.held) and not yet handed
+        # out by wait_step; the serve thread's only.
+        self._steps: list[StepPeer] = []
         self._handshakes = 0  # in progress (guarded by _hs_lock)
         self._hs_lock = threading.Lock()
         self._log_refused = LogThrottle()
@@ -1147,7 +1157,8 @@ class TCPFFNConnector(FFNConnector):
             # this step, so that their tokens share one FFN pass.
             now = time.monotonic()
             got = {r.rank for r in ready}
-            waiting = [p for p in peers if p.rank not in got and now - p.last_step < self.ACTIVE_S]
+            waiting = [p for p in peers if p.rank not in got and not p.rx
+                       and now - p.last_step < self.ACTIVE_S]  # fmt: skip
             deadline = now + self.batch_window
             while waiting and (left := deadline - time.monotonic()) > 0:
                 more = self._poll(waiting, left)
@@ -1158,6 +1169,7 @@ class TCPFFNConnector(FFNConnector):
         for r in ready:
             if (peer := self.peers.get(r.rank)) is not None:
                 peer.last_step = now
+                peer.held = False  # handed out: its next bytes are read for the step
         return ready
 
     def _poll(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
@@ -1169,34 +1181,149 @@ class TCPFFNConnector(FFNConnector):
         return self._read_sockets(peers, timeout)
 
     def _read_sockets(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
-        """Control messages waiting on the peers' sockets (up to ``timeout``);
-        raises for a peer silent for timeout_s."""
-        ready_socks = readable([p.sock for p in peers], timeout)
-        ready: list[StepPeer] = []
+        """The step-control messages of ``peers``, waiting up to ``timeout`` for one while
+        the bytes of every rank move (:meth:`pump`); back early, with none, when a message
+        posted for a step arrived. Nothing here waits on one rank's bytes: a control frame
+        that has begun to arrive is read as the rest comes, and a rank whose own deadline
+        passed is dropped (silent for timeout_s, or stopped mid-frame) while the others
+        are served on."""
+        deadline = time.monotonic() + timeout
+        while True:
+            steps = self._take_steps(peers)
+            if steps:
+                return steps
+            left = deadline - time.monotonic()
+            if self.pump(max(0.0, left)) or left <= 0:
+                return self._take_steps(peers)
+
+    def _take_steps(self, peers: list[Peer]) -> list[StepPeer]:
+        """The step-control messages read for ``peers``. Their ranks stay held (nothing of
+        theirs is read: the step's data follows) until wait_step hands the steps out; the
+        runner posts the data's receives before it pumps again."""
+        mine = {id(p) for p in peers}
+        out, keep = [], []
+        for step in self._steps:
+            if self.peers.get(step.rank) is not step.session:
+                continue  # that session is gone
+            (out if id(step.session) in mine else keep).append(step)
+        self._steps = keep
+        return out
+
+    # -- the byte pump -------------------------------------------------------
+    def pump(self, timeout: float, only: Peer | None = None) -> bool:
+        """One round of socket I/O for every attention rank: read what arrived into the
+        messages posted for its step (between steps, into its next control frame), write
+        what its socket takes of the bytes queued for it, and end the session of a rank
+        whose own deadline passed (:meth:`_due`). ``only``: that rank alone, in a step
+        served by blocking calls (no control frame is read between them). Waits up to
+        ``timeout`` for a socket to be ready, less when a deadline comes first. True when
+        a posted message arrived or a rank with one posted was lost."""
+        if only is not None:
+            peers = [only] if self.peers.get(only.rank) is only else []
+        else:
+            with self._lock:
+                peers = list(self.peers.values())
+        if not peers:
+            time.sleep(max(0.0, min(timeout, 0.05)))
+            return False
+        now = time.monotonic()
+        wake = now + max(0.0, timeout)
         for p in peers:
+            due = self._due(p)
+            if due is not None:
+                wake = min(wake, due)
+        between = only is None
+        ready = poll_io([(p.sock, p.reading(between) is not None, bool(p.tx)) for p in peers],
+                        max(0.0, wake - now))  # fmt: skip
+        event = False
+        for p, (can_read, can_write) in zip(peers, ready):
+            if self.peers.get(p.rank) is not p:
+                continue  # dropped meanwhile (a goodbye)
+            in_step = bool(p.rx)
             try:
-                if any(s is p.sock for s in ready_socks):
-                    ctrl = self._read_control(p)
-                    if ctrl is not None:
-                        ready.append(StepPeer(p.rank, ctrl, p))
-                elif time.monotonic() - p.last_seen > self.timeout:
-                    raise AFDPeerError(
-                        f"lost AFD {p.name}: nothing received for {self.timeout:g} s"
-                    )
+                if can_write:
+                    self._write(p)
+                if can_read:
+                    event |= self._read(p, between)
+                due = self._due(p)
+                if due is not None and time.monotonic() >= due:
+                    raise AFDPeerError(self._overdue(p))
             except AFDPeerError as e:
                 self._lose(p, str(e))
+                event |= in_step
                 if not self.survives_peer_loss:
                     raise
-        return ready
+        return event
 
-    def _read_control(self, p: Peer) -> Control | None:
-        data = recv_bytes(p.sock, CONTROL.size, time.monotonic() + self.timeout, p.name)
+    def _due(self, p: Peer) -> float | None:
+        """When the session of ``p`` ends unless its bytes move: timeout_s after the last
+        byte either way (or the post of a message) while a posted message has not arrived
+        or queued bytes are not taken; between steps timeout_s after the last byte it sent
+        (heartbeats come every second). None while it waits for this side only."""
+        if p.tx or p.owes():
+            return p.progress + self.timeout
+        if p.rx or p.held:
+            return None
+        return p.last_seen + self.timeout
+
+    def _overdue(self, p: Peer) -> str:
+        if p.tx:
+            return f"AFD peer {p.name} stopped reading (send timed out)"
+        if p.rx:
+            return f"AFD peer {p.name} did not answer within the timeout"
+        return f"lost AFD {p.name}: nothing received for {self.timeout:g} s"
+
+    def _read(self, p: Peer, between_steps: bool = True) -> bool:
+        """Read what the socket of ``p`` holds now, message by message (never past the
+        message being read); True when a posted message arrived."""
+        arrived = False
+        while (m := p.reading(between_steps)) is not None:
+            k = recv_some(p.sock, m.rest(), p.name)
+            if not k:
+                break
+            m.got += k
+            p.last_seen = p.progress = time.monotonic()
+            if not m.arrived:
+                continue
+            if m is p.ctrl:  # between steps
+                p.ctrl = None
+                ctrl = self._on_control(p, bytes(m.view))
+                if ctrl is not None:
+                    p.held = True
+                    self._steps.append(StepPeer(p.rank, ctrl, p))
+            elif m.is_control:  # a later micro-batch of the step
+                m.value = self._on_control(p, bytes(m.view))
+                if m.value is None:
+                    m.got = 0  # a heartbeat or a profiler request: the next frame
+                else:
+                    arrived = True
+            else:
+                arrived = True
+            if self.peers.get(p.rank) is not p:
+                break  # said goodbye
+        return arrived
+
+    def _write(self, p: Peer) -> None:
+        """Write what the socket of ``p`` takes now of its queued bytes."""
+        while p.tx:
+            view, owner = p.tx[0]
+            k = send_some(p.sock, view, p.name)
+            if not k:
+                return
+            p.progress = time.monotonic()
+            if k == len(view):
+                p.tx.popleft()
+            else:
+                p.tx[0] = (view[k:], owner)
+
+    def _on_control(self, p: Peer, data: bytes) -> Control | None:
+        """A control frame of ``p``: its step-control message; None for a heartbeat, a
+        goodbye (the session ends) or a profiler request."""
         try:
             ctrl = Control.unpack(data, self.ctx.max_num_tokens)
             p.check_step(ctrl)
         except AFDProtocolError as e:  # the session ends (the caller drops it)
             raise AFDPeerError(f"AFD {p.name} broke the protocol: {e}") from e
-        p.last_seen = time.monotonic()
         if ctrl.type == MSG_HEARTBEAT:
             return None
         if ctrl.type == MSG_GOODBYE:
@@ -1209,18 +1336,73 @@ class TCPFFNConnector(FFNConnector):
             return None
         return ctrl
 
+    # -- posted I/O of a step (async_io) -------------------------------------
+    def post_recv(self, peer: StepPeer, out: torch.Tensor) -> None:
+        """Receive this peer's next message (a layer input) into ``out`` as its bytes
+        arrive; :meth:`arrived` tells when, :meth:`take` finishes it."""
+        self._post(self._peer(peer), Inbound.tensor(out))
+
+    def post_control(self, peer: StepPeer) -> None:
+        """Receive the control message of this peer's next micro-batch (DBO); :meth:`take`
+        gives it."""
+        self._post(self._peer(peer), Inbound.control())
+
+    def _post(self, p: Peer, m: Inbound) -> None:
+        if not p.owes():
+            p.progress = time.monotonic()  # its deadline counts from now
+        p.rx.append(m)
+
+    def arrived(self, peer: StepPeer) -> bool:
+        """Every message posted for this peer has arrived; AFDPeerError, naming why, when
+        its session is gone."""
+        return not self._peer(peer).owes()
+
+    def take(self, peer: StepPeer) -> list[Control]:
+        """Finish the messages of this peer that arrived (copies out of host staging) and
+        forget them; the control messages among them."""
+        p = self._peer(peer)
+        controls = []
+        while p.rx and p.rx[0].arrived:
+            m = p.rx.popleft()
+            m.finish()
+            if m.is_control:
+                controls.append(m.value)
+        return controls
+
+    def post_send(self, peer: StepPeer, y: torch.Tensor) -> None:
+        """Send this peer's layer output: what its socket takes now, the rest as it reads
+        (:meth:`pump`); never waits."""
+        p = self._peer(peer)
+        host = y.contiguous() if y.device.type == "cpu" else y.contiguous().cpu()
+        view = tensor_bytes(host)
+        if not len(view):
+            return
+        if not p.tx:
+            p.progress = time.monotonic()
+        p.tx.append((view, host))
+        try:
+            self._write(p)
+        except AFDPeerError as e:
+            self._lose(p, str(e))
+            raise
+
+    def _wait(self, p: Peer, done: Callable[[], bool], gone: str | None = None) -> None:
+        """Pump the socket of ``p`` alone until ``done()``; AFDPeerError when its session
+        ends meanwhile (its own deadline, EOF, a goodbye: ``gone``)."""
+        while True:
+            if self.peers.get(p.rank) is not p:
+                raise AFDPeerError(p.why or gone or f"lost AFD {p.name} during a step")
+            if done():
+                return
+            self.pump(self.timeout, only=p)
+
     def recv_control(self, peer: StepPeer) -> Control:
         """The next step-control message of this peer, within timeout_s (a later
         micro-batch of the step being served)."""
         p = self._peer(peer)
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            ctrl = self._read_control(p)
-            if ctrl is not None:
-                return ctrl
-            if self.peers.get(p.rank) is not p:
-                break
-        raise AFDPeerError(f"lost AFD {p.name} during a micro-batched step")
+        self.post_control(peer)
+        self._wait(p, lambda: not p.owes(), f"lost AFD {p.name} during a micro-batched step")
+        return self.take(peer)[-1]
 
     def take_profile_requests(self) -> list[bool]:
         with self._lock:
@@ -1264,8 +1446,10 @@ class TCPFFNConnector(FFNConnector):
             self._drop(p)
             return  # dropped before (a goodbye, or this loss was seen already)
         self._release(p)
+        p.why = self.lost[p.rank] = why
         self._drop(p)
-        self.lost[p.rank] = why
+        p.rx.clear()
+        p.tx.clear()
         if self.survives_peer_loss:
             logger.warning(
                 "AFD: FFN rank %d lost attention rank %d (%s); serving the other attention "
@@ -1285,17 +1469,30 @@ class TCPFFNConnector(FFNConnector):
     def _peer(self, step_peer: StepPeer) -> Peer:
         p = self.peers.get(step_peer.rank)
         if p is None or step_peer.session not in (None, p):
-            raise AFDPeerError(f"lost AFD attention rank {step_peer.rank} during a step")
+            why = getattr(step_peer.session, "why", None)
+            raise AFDPeerError(why or f"lost AFD attention rank {step_peer.rank} during a step")
         return p
 
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
+        """This peer's layer input, waiting for it alone (with async_io the runner posts
+        instead): posted on the channel's connection, or the data plane's receive."""
         p = self._peer(peer)
-        self.plane.recv(self._link(p), out)
-        p.last_seen = time.monotonic()
+        if not self.async_io:
+            self.plane.recv(self._link(p), out)
+            p.last_seen = time.monotonic()
+            return
+        self.post_recv(peer, out)
+        self._wait(p, lambda: not p.owes())
+        self.take(peer)
 
     def send(self, peer: StepPeer, y: torch.Tensor) -> None:
+        """This peer's layer output, until its socket took all of it (or the plane's)."""
         p = self._peer(peer)
-        self.plane.send(self._link(p), y)
+        if not self.async_io:
+            self.plane.send(self._link(p), y)
+            return
+        self.post_send(peer, y)
+        self._wait(p, lambda: not p.tx)
 
     def close(self) -> None:
         self._stop.set()
