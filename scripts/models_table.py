@@ -5,7 +5,7 @@ vllm.afd.architectures.FAMILIES (overlay/vllm/afd/architectures.py).
     python3 scripts/models_table.py           # rewrite the table in docs/models.md
     python3 scripts/models_table.py --check   # exit 1 when docs/models.md is stale
 
-``make models-table`` runs the first. tests/unit/test_afd_architectures.py fails when the
+``make models-table`` runs the first. tests/unit/afd/test_afd_architectures.py fails when the
 table is stale. Pure Python: the registry module is loaded from its file.
 """
 

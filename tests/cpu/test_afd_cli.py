@@ -25,7 +25,7 @@ def _serve(model: Path, *args: str) -> tuple[int, str, float]:
 
 # One refusal of each kind through the real `vllm serve` (a bad value, a bad combination,
 # text that is not JSON): every message AFDConfig gives, the unknown key and the port range
-# among them, is tested on parse_afd_config_arg in tests/unit/test_afd_config.py. Four
+# among them, is tested on parse_afd_config_arg in tests/unit/afd/test_afd_config.py. Four
 # processes, two at a time.
 BAD_CONFIGS = [
     ('{"role": "bogus"}', "'role' must be one of attention, ffn"),

@@ -173,7 +173,7 @@ FAMILIES = {f.name: f for f in architectures.FAMILIES}
 
 def unless_marked_here(family: architectures.Family) -> pytest.MarkDecorator:
     """Skips a case of a family the installed vLLM line does not mark, saying why (also
-    tests/unit/test_afd_architectures.py)."""
+    tests/unit/afd/test_afd_architectures.py)."""
     line = architectures.running_line()
     return pytest.mark.skipif(
         line not in family.lines,

@@ -1,4 +1,4 @@
-"""Helpers of the TCP connector tests (tests/unit/test_tcp_connector.py,
+"""Helpers of the TCP connector tests (tests/unit/connectors/test_tcp_connector.py,
 test_tcp_hardening.py): connector contexts, a fixture that closes what a test
 opened, waits with deadlines."""
 

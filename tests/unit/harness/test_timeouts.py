@@ -9,7 +9,7 @@ from pathlib import Path
 
 import timeouts
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 UNIT = REPO_ROOT / "tests" / "unit" / "test_x.py"
 CPU = REPO_ROOT / "tests" / "cpu" / "test_x.py"
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import status_page
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCANNED = ["README.md", "docs", "overlay", "tests", "scripts", "benchmarks", "Makefile", ".ci"]
 SUFFIXES = {".md", ".py", ".sh", ".txt", ""}
 # Files whose doc paths are made up on purpose (a test of a missing file).
-MADE_UP = {"tests/unit/test_status_page.py", "tests/unit/test_doc_links.py"}
+MADE_UP = {"tests/unit/tooling/test_status_page.py", "tests/unit/tooling/test_doc_links.py"}
 
 DOC_PATH = re.compile(r"\bdocs/[\w./-]+?\.md(?:#[\w.-]*[\w-])?")
 MD_LINK = re.compile(r"\]\(([^)\s]+?\.md)(#[\w.-]+)?\)")

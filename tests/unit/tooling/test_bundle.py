@@ -12,7 +12,7 @@ import pytest
 
 from afdtool import bundle as B
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("size", [0, 1, 1000, 1024, 3000])

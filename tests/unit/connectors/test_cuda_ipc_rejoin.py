@@ -229,11 +229,12 @@ def test_the_table_kernels_follow_a_rehandshake_in_triton_s_interpreter():
     the loss lands in the first FFN rank's buffers, the same launches after the
     re-handshake in the new one's, and the first one's stay as they were."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    tests = Path(__file__).resolve().parents[1]
+    tests = Path(__file__).resolve().parents[2]
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import overlay_import; "
             "overlay_import.install(); import test_cuda_ipc_rejoin as t; "
             "t.interpreted_scenario()")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code, str(tests), str(tests / "unit")], env=env,
+    here = str(Path(__file__).resolve().parent)
+    proc = subprocess.run([sys.executable, "-c", code, str(tests), here], env=env,
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("rejoin scenario: ok")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SERIES_DIRS = [ROOT / "patches", *sorted((ROOT / "targets").glob("*/patches"))]
 # Where a citation may stand: the docs, the README and every source or test file.
 SCANNED = ["README.md", "docs", "overlay", "tests", "scripts", "benchmarks", "Makefile"]

@@ -251,7 +251,7 @@ def test_corrupt_archive_refused_by_apply(afd, capsys):
 
 
 def test_cli_subprocess(warm):
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "scripts"))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3] / "scripts"))
     proc = subprocess.run([sys.executable, "-m", "afdtool", "apply"], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -262,7 +262,7 @@ def test_cli_subprocess(warm):
     assert proc.stderr.startswith("afdtool: error: ") and "Traceback" not in proc.stderr
 
 
-REAL_ROOT = Path(__file__).resolve().parents[2]
+REAL_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_real_pinned_series(tmp_path, monkeypatch, capsys):

@@ -7,7 +7,7 @@ module. Read from the source with ast, so it holds without importing anything.""
 import ast
 from pathlib import Path
 
-OVERLAY = Path(__file__).resolve().parents[2] / "overlay"
+OVERLAY = Path(__file__).resolve().parents[3] / "overlay"
 PACKAGES = ("vllm/afd", "vllm/distributed/afd")
 TRANSPORTS = "vllm.distributed.afd"
 # What a connector may use of vllm.afd: the wire format, metrics, failure records, the

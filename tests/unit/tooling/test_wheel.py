@@ -15,7 +15,7 @@ import pytest
 from afdtool import wheel as W
 from afdtool.revision import patchset_revision
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 REV = "0123456789"
 TORCH_CPU_LINE = 'Requires-Dist: torch==2.11.0+cpu; platform_machine == "x86_64"'

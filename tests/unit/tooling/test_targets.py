@@ -17,7 +17,7 @@ from afdtool import targets
 from afdtool.errors import AfdError
 from afdtool.revision import patchset_revision
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Kubernetes manifests of vllm.afd.deploy.render, for the golden topologies (1A1F; 4A2F FFN
 replicas with spare attention slots; 4A2F as one FFN group):
 
-* the rendered files equal the golden files in tests/unit/deploy_golden/<case>/ (what a
+* the rendered files equal the golden files in tests/unit/deploy/deploy_golden/<case>/ (what a
   reviewer reads; AFD_UPDATE_GOLDEN=1 writes them anew);
 * every object deserializes into its model class of the Kubernetes API (the `kubernetes`
   client pinned in the venv) with no unknown field at any depth and no required field

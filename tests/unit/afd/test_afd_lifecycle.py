@@ -21,7 +21,7 @@ from vllm.afd import lifecycle
 
 ORPHAN_EXIT_S = 5.0
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parents[2]
 
 # A parent that starts a forked child which installs the watch (as an engine core or a
 # worker of an AFD server does) and then blocks; the parent prints the child's pid.

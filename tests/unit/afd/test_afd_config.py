@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-AFD_PY = Path(__file__).resolve().parents[2] / "overlay" / "vllm" / "config" / "afd.py"
+AFD_PY = Path(__file__).resolve().parents[3] / "overlay" / "vllm" / "config" / "afd.py"
 
 
 def _load():

@@ -212,7 +212,7 @@ def test_hub_model_resolves_to_the_cached_snapshot(ckpt, tmp_path):
 
 def test_identity_of_the_tiny_checkpoints_is_fast():
     """Every byte of the test checkpoints is hashed; each takes milliseconds."""
-    models = Path(__file__).resolve().parents[2] / "build" / "models"
+    models = Path(__file__).resolve().parents[3] / "build" / "models"
     if not models.is_dir():
         pytest.fail(f"{models} is missing: run `make models` first", pytrace=False)
     for folder in sorted(p for p in models.iterdir() if p.is_dir()):

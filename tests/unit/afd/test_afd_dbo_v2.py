@@ -22,7 +22,7 @@ from vllm.config import CUDAGraphMode
 from vllm.config.afd import AFDConfig
 from vllm.v1.worker.ubatch_utils import UBatchSlice
 
-OVERLAY = Path(__file__).resolve().parents[2] / "overlay"
+OVERLAY = Path(__file__).resolve().parents[3] / "overlay"
 
 
 @dataclasses.dataclass(frozen=True)

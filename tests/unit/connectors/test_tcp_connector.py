@@ -1,7 +1,7 @@
 """TCP AFD connector (vllm.distributed.afd.tcp) over real sockets on 127.0.0.1.
 
 Run with the project venv (torch + vLLM with the overlay):
-    .venv/bin/python -m pytest tests/unit/test_tcp_connector.py
+    .venv/bin/python -m pytest tests/unit/connectors/test_tcp_connector.py
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from vllm.afd import model_split
 from vllm.afd.ffn_runner import _GivenRouterLogits
 from vllm.config.afd import AFDConfig, AFDConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # ---------------------------------------------------------------- config-time refusal
 

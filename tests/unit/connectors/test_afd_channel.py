@@ -19,7 +19,7 @@ from vllm.afd import protocol as P
 from vllm.config.afd import AFDConfig
 from vllm.distributed.afd import base, channel
 
-AFD_PACKAGE = Path(__file__).resolve().parents[2] / "overlay" / "vllm" / "distributed" / "afd"
+AFD_PACKAGE = Path(__file__).resolve().parents[3] / "overlay" / "vllm" / "distributed" / "afd"
 
 
 def high_descriptors(at_least: int = 1024) -> list[int]:

@@ -30,7 +30,7 @@ def mdir(tmp_path, monkeypatch):
 def overlay_env() -> dict[str, str]:
     """The environment of a Python child that imports the AFD modules from the tree
     (``import overlay_import; overlay_import.install()`` first), as this process does."""
-    tests_dir = Path(__file__).resolve().parents[1]
+    tests_dir = Path(__file__).resolve().parents[2]
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_dir), *sys.path])}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PROTOCOL_PY = Path(__file__).resolve().parents[2] / "overlay" / "vllm" / "afd" / "protocol.py"
+PROTOCOL_PY = Path(__file__).resolve().parents[3] / "overlay" / "vllm" / "afd" / "protocol.py"
 
 
 def _load():

@@ -49,10 +49,11 @@ def test_the_kernels_write_their_words_in_triton_s_interpreter():
     Triton's CPU interpreter (chosen before triton compiles them: a child process).
     ``wait`` reads ``globaltimer``, which the interpreter lacks: it runs on a GPU only."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    tests = Path(__file__).resolve().parents[1]
+    tests = Path(__file__).resolve().parents[2]
     code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import overlay_import; "
             "overlay_import.install(); import test_ipc_kernels as t; t.interpreted_kernels()")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code, str(tests), str(tests / "unit")], env=env,
+    here = str(Path(__file__).resolve().parent)
+    proc = subprocess.run([sys.executable, "-c", code, str(tests), here], env=env,
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("kernels: ok")

@@ -16,7 +16,7 @@ from afdtool import targets
 from vllm.afd import architectures as arch
 from vllm.config.afd import AFDConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OVERLAY = ROOT / "overlay"
 
 

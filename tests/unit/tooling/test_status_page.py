@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import status_page
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 NEW_CONNECTOR = '''
 register(ConnectorSpec(

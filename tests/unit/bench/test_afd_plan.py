@@ -15,7 +15,7 @@ import pytest
 
 from vllm.afd import plan as P
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FIGURES = REPO / "benchmarks" / "plan_figures.json"
 
 # ---------------------------------------------------------------- models from configs
