@@ -128,13 +128,30 @@ def netns():
                     os.kill(int(pid), signal.SIGKILL)
                 except (ProcessLookupError, ValueError):
                     pass
+            deadline = time.monotonic() + 10  # a large process takes a while to exit
+            while _ip("netns", "pids", name, check=False).stdout.split() and (
+                time.monotonic() < deadline
+            ):
+                time.sleep(0.1)
             _ip("netns", "del", name, check=False)
             shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
-        _ip("link", "del", bridge, check=False)
+        # a namespace's devices go with it asynchronously: delete the bridge-side ends of
+        # the veth pairs (each takes its peer along) and the bridge, then wait for them
+        ours = {dev + "h" for dev in (ns.veth_a, ns.veth_b, ns.veth_c)} | {bridge}
+        for dev in sorted(ours):
+            _ip("link", "del", dev, check=False)
+        deadline = time.monotonic() + 15
+        while (still := ours & _link_names()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         left = _ip("netns", "list", check=False).stdout
         assert not any(n in left for n in made), left
-        links = _ip("link", "show", check=False).stdout
-        assert ns.veth_a not in links and ns.veth_b not in links and bridge not in links
+        assert not still, f"links left behind: {sorted(still)}"
+
+
+def _link_names() -> set[str]:
+    """The names of this namespace's network devices (``veth@peer`` as ``veth``)."""
+    out = _ip("-o", "link", "show", check=False).stdout
+    return {ln.split(":")[1].strip().split("@")[0] for ln in out.splitlines() if ":" in ln}
 
 
 def afd(role: str, host: str, port: int, timeout_s: float, **extra) -> str:
