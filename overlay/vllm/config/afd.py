@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -635,15 +634,6 @@ def split_address(text: str) -> tuple[str, int]:
 
 def join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def resolve_address(host: str, port: int) -> list[tuple]:
-    """Every (family, type, proto, canonname, sockaddr) ``host`` resolves to now (a DNS
-    name is resolved again on each call); raises OSError naming the host."""
-    try:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise OSError(f"cannot resolve {host!r}: {e.strerror}") from None
 
 
 def parse_afd_config_arg(text: str) -> AFDConfig:

@@ -72,6 +72,12 @@ def load_nixl():
     return nixl_agent, nixl_agent_config
 
 
+def plane_settings(ctx) -> tuple[str, float]:
+    """(NIXL backend, seconds a wait polls before it sleeps) from connector_extra_config."""
+    extra, spec = ctx.config.connector_extra_config, ctx.config.spec
+    return spec.value(extra, "nixl_backend"), spec.value(extra, "nixl_spin_us") / 1e6
+
+
 def slot_bytes(ctx) -> int:
     """One message's room: the largest step's hidden states (or float32 router logits,
     when the gate runs on the attention role, whichever is larger), aligned."""
@@ -301,9 +307,7 @@ class NixlAttentionPlane(AttentionPlane):
     def __init__(self, ctx):
         super().__init__(ctx)
         load_nixl()  # fail at start, naming the package
-        extra = ctx.config.connector_extra_config
-        self.backend = ctx.config.spec.value(extra, "nixl_backend")
-        self.spin_s = ctx.config.spec.value(extra, "nixl_spin_us") / 1e6
+        self.backend, self.spin_s = plane_settings(ctx)
         self.slot = slot_bytes(ctx)
         self.agent: Agent | None = None
         self.box: Mailbox | None = None
@@ -382,10 +386,8 @@ class NixlFFNPlane(FFNPlane):
     def __init__(self, ctx):
         super().__init__(ctx)
         load_nixl()
-        extra = ctx.config.connector_extra_config
-        backend = ctx.config.spec.value(extra, "nixl_backend")
+        backend, spin_s = plane_settings(ctx)
         self.slot = slot_bytes(ctx)
-        spin_s = ctx.config.spec.value(extra, "nixl_spin_us") / 1e6
         self.agent = Agent("ffn", ctx.rank, backend, spin_s)
         self.sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
