@@ -301,7 +301,7 @@ def _view(box_bytes: torch.Tensor, slot: int, index: int, like: torch.Tensor) ->
     return box_bytes[start:start + n]
 
 
-def _send(agent: Agent, s: Session, lane: int, x: torch.Tensor, timeout: float) -> None:
+def write_message(agent: Agent, s: Session, lane: int, x: torch.Tensor, timeout: float) -> None:
     """Write one message and drive the write to completion (the sender's agent makes its
     own progress: a posted write left alone may not leave this host)."""
     seq = s.sent[lane]
@@ -323,7 +323,7 @@ def _send(agent: Agent, s: Session, lane: int, x: torch.Tensor, timeout: float) 
     agent.wait_done(handle, time.monotonic() + timeout, s.who)
 
 
-def _claim(s: Session, lane: int) -> int:
+def claim(s: Session, lane: int) -> int:
     """The sequence number of the next message to receive on ``lane`` (receives complete
     in the order they were claimed, whatever order they are waited for in)."""
     seq = s.claimed[lane]
@@ -331,7 +331,7 @@ def _claim(s: Session, lane: int) -> int:
     return seq
 
 
-def _recv(agent: Agent, s: Session, lane: int, seq: int, out: torch.Tensor,
+def read_message(agent: Agent, s: Session, lane: int, seq: int, out: torch.Tensor,
           deadline: float) -> None:  # fmt: skip
     agent.wait_for(s.peer_agent, note_of(s.sid, lane, seq), deadline, s.who)
     src = _view(s.box.inbox, s.box.slot, slot_index(lane, seq), out)
@@ -390,6 +390,7 @@ class NixlAttentionPlane(AttentionPlane):
         self.lanes: nixl_device.DeviceLanes | None = None
         self.proxy: nixl_device.Proxy | None = None
         self._streams: list = []
+        self._sessions = 0
         timeout = float(ctx.config.timeout_s)
         self.timeout_ns = int(timeout * 1e9)
 
@@ -425,6 +426,14 @@ class NixlAttentionPlane(AttentionPlane):
         if self.proxy is not None:
             self.lanes.reset()  # between forwards: the new session starts at message 0
             self.proxy.serve(self._target(offer, link), link.peer)
+            self._sessions += 1
+            if self._sessions == 1:
+                logger.info("AFD: nixl device path to %s (VRAM inboxes, %d lanes x %d "
+                            "slots of %d bytes; a host proxy posts the exchanges)",
+                            link.peer, LANES, RING, self.slot)  # fmt: skip
+            else:
+                logger.info("AFD: nixl device path to %s: a new session (rings and counters "
+                            "from message 0)", link.peer)  # fmt: skip
 
     def _target(self, s: Session, link: Link) -> nixl_device.Target:
         agent = self.agent
@@ -481,7 +490,7 @@ class NixlAttentionPlane(AttentionPlane):
     def send(self, x: torch.Tensor, lane: int = 0) -> None:
         s, link = self._live()
         if not self.on_device:
-            _send(self.agent, s, lane, x, link.timeout)
+            write_message(self.agent, s, lane, x, link.timeout)
             return
         if x.numel() * x.element_size() > self.slot:
             raise AFDPeerError(f"AFD nixl: a message of {x.numel() * x.element_size()} bytes "
@@ -495,7 +504,7 @@ class NixlAttentionPlane(AttentionPlane):
     def recv(self, out: torch.Tensor, lane: int = 0) -> torch.Tensor:
         s, link = self._live()
         if not self.on_device:
-            _recv(self.agent, s, lane, _claim(s, lane), out, time.monotonic() + link.timeout)
+            read_message(self.agent, s, lane, claim(s, lane), out, time.monotonic() + link.timeout)
             return out
         stream = self._lane_stream(lane)
         with torch.cuda.stream(stream):
@@ -522,10 +531,10 @@ class NixlAttentionPlane(AttentionPlane):
                 return out
 
             return wait_device
-        seq, timeout = _claim(s, lane), link.timeout
+        seq, timeout = claim(s, lane), link.timeout
 
         def wait() -> torch.Tensor:
-            _recv(self.agent, s, lane, seq, out, time.monotonic() + timeout)
+            read_message(self.agent, s, lane, seq, out, time.monotonic() + timeout)
             return out
 
         return wait
@@ -617,10 +626,10 @@ class NixlFFNPlane(FFNPlane):
 
     def recv(self, link: Link, out: torch.Tensor, lane: int = 0) -> None:
         s = self._session(link)
-        _recv(self.agent, s, lane, _claim(s, lane), out, time.monotonic() + link.timeout)
+        read_message(self.agent, s, lane, claim(s, lane), out, time.monotonic() + link.timeout)
 
     def send(self, link: Link, y: torch.Tensor, lane: int = 0) -> None:
-        _send(self.agent, self._session(link), lane, y, link.timeout)
+        write_message(self.agent, self._session(link), lane, y, link.timeout)
 
     def close(self) -> None:
         with self._lock:

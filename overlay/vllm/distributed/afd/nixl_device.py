@@ -272,6 +272,9 @@ class Proxy:
         self._stop.set()
         self._thread.join(5.0)
 
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     # -- the loop ---------------------------------------------------------------------
     def _run(self) -> None:
         idle_since = time.monotonic()

@@ -401,7 +401,8 @@ class TCPAttentionConnector(AttentionConnector):
         """Served by another replica (failover): between steps, try the home FFN
         rank and move back to it once it takes this rank again."""
         now = time.monotonic()
-        if self.ffn_rank == self.home or now < self._next_home_try:
+        if self.ffn_rank == self.home or now < self._next_home_try or self.reruns_forward:
+            # (a plane of device work moves only between forwards, on their thread)
             return
         self._next_home_try = now + self._home_wait
         with self._rejoin_lock:
