@@ -402,7 +402,10 @@ class NixlAttentionPlane(AttentionPlane):
         if self.on_device:
             dev = self.ctx.device
             self.lanes = nixl_device.DeviceLanes(LANES, dev)
+            # DBO: each lane waits for its replies on a stream of its own (recv_start), so
+            # that one micro-batch's wait never holds the other's work
             self._streams = [torch.cuda.Stream(device=dev) for _ in range(LANES)]
+            self._control_stream = torch.cuda.Stream(device=dev)
             self.proxy = nixl_device.Proxy(self.agent, self.lanes.records, self.lanes.controls,
                                            self.lanes.flags, LANES, self.spin_s,
                                            err=self.lanes.err)  # fmt: skip
@@ -475,19 +478,18 @@ class NixlAttentionPlane(AttentionPlane):
 
     # -- the step (device: enqueued work only) -----------------------------------------
     def begin_step(self, num_tokens: int, flags: int) -> None:
-        """The step's control message, as device work (``carries_control``)."""
-        self.lanes.control(num_tokens, flags)
-
-    def _lane_stream(self, lane: int):
-        """DBO: a lane's exchange runs on its own stream, after the work issued so far."""
+        """The step's control message, as device work (``carries_control``). The control
+        records of all lanes go through one stream, in the order the micro-batches open
+        (micro-batch 0 first: the FFN rank takes a step from it), joined back into the
+        caller's stream (a capture records the fork and the join)."""
         current = torch.cuda.current_stream(self.ctx.device)
-        if not lane:
-            return current
-        stream = self._streams[lane]
-        stream.wait_stream(current)
-        return stream
+        self._control_stream.wait_stream(current)
+        with torch.cuda.stream(self._control_stream):
+            self.lanes.control(num_tokens, flags)
+        current.wait_stream(self._control_stream)
 
     def send(self, x: torch.Tensor, lane: int = 0) -> None:
+        """On the device: a copy and a record on the current stream (nothing waits)."""
         s, link = self._live()
         if not self.on_device:
             write_message(self.agent, s, lane, x, link.timeout)
@@ -495,8 +497,7 @@ class NixlAttentionPlane(AttentionPlane):
         if x.numel() * x.element_size() > self.slot:
             raise AFDPeerError(f"AFD nixl: a message of {x.numel() * x.element_size()} bytes "
                                f"exceeds the inbox slot ({self.slot} bytes)")  # fmt: skip
-        with torch.cuda.stream(self._lane_stream(lane)):
-            self.lanes.send(lane, x.contiguous(), self.box.outbox, self.slot)
+        self.lanes.send(lane, x.contiguous(), self.box.outbox, self.slot)
 
     def _device_recv(self, lane: int, out: torch.Tensor) -> None:
         self.lanes.recv(lane, out, self.box.inbox, self.slot, self.timeout_ns)
@@ -506,11 +507,7 @@ class NixlAttentionPlane(AttentionPlane):
         if not self.on_device:
             read_message(self.agent, s, lane, claim(s, lane), out, time.monotonic() + link.timeout)
             return out
-        stream = self._lane_stream(lane)
-        with torch.cuda.stream(stream):
-            self._device_recv(lane, out)
-        if stream is not torch.cuda.current_stream(self.ctx.device):
-            torch.cuda.current_stream(self.ctx.device).wait_stream(stream)
+        self._device_recv(lane, out)  # the wait and the copy, on the current stream
         return out
 
     def recv_start(self, out: torch.Tensor, lane: int = 0) -> Callable[[], torch.Tensor]:
