@@ -55,6 +55,10 @@ class AttentionConnector(ABC):
     # forwards_guarded while it does.
     reruns_forward = False
     forwards_guarded = False
+    # With reruns_forward: every forward is waited for and checked (step_lost) even where
+    # a loss is not held (a host thread of this process serves the pass's exchanges,
+    # nixl's proxy: nothing else may block on the pass meanwhile).
+    checks_every_forward = False
     # The FFN rank this attention rank exchanges with (another one after a failover).
     ffn_rank = 0
 

@@ -508,7 +508,17 @@ class NixlAttentionPlane(AttentionPlane):
             read_message(self.agent, s, lane, claim(s, lane), out, time.monotonic() + link.timeout)
             return out
         self._device_recv(lane, out)  # the wait and the copy, on the current stream
+        self._settle_eager(torch.cuda.current_stream(self.ctx.device))
         return out
+
+    def _settle_eager(self, stream) -> None:
+        """Outside a capture, wait for the exchange here, with the GIL released: the proxy
+        thread that serves it needs the GIL, and the caller may next make a blocking CUDA
+        call that holds it (a cudaFree of the allocator's cache, at start-up), which would
+        wait on a device wait that waits on the proxy. Eager steps pay a synchronisation a
+        layer; replayed graphs are waited for once, after the forward (run_forward)."""
+        if not torch.cuda.is_current_stream_capturing():
+            stream.synchronize()
 
     def recv_start(self, out: torch.Tensor, lane: int = 0) -> Callable[[], torch.Tensor]:
         """DBO: the FFN rank writes the reply into the inbox whenever it is ready (nothing
@@ -525,6 +535,7 @@ class NixlAttentionPlane(AttentionPlane):
 
             def wait_device() -> torch.Tensor:
                 torch.cuda.current_stream(self.ctx.device).wait_event(done)
+                self._settle_eager(stream)
                 return out
 
             return wait_device

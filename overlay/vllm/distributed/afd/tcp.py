@@ -176,6 +176,7 @@ class TCPAttentionConnector(AttentionConnector):
         # A plane of device work (nixl on CUDA): a lost FFN rank is rejoined by re-running
         # the forward whole (vllm.afd.rejoin.run_forward), only on the forward's thread.
         self.reruns_forward = self.plane.reruns_forward
+        self.checks_every_forward = self.plane.reruns_forward
         # The lane (micro-batch) of this thread's messages, set by its begin_step.
         self._lanes = threading.local()
         self._control_step = 0  # step ids of the control messages the plane sends on
