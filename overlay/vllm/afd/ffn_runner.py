@@ -6,7 +6,10 @@ KV cache, and serves per-layer FFN calls: for every step it receives the
 step-control message of each ready attention rank, then layer by layer
 receives their hidden states, runs the block on all of them at once
 (attention ranks that are ready together share one FFN pass), and sends each
-rank its rows back.
+rank its rows back. With ``connector_extra_config.ffn_schedule: "pingpong"`` the steps
+of ranks ready together are interleaved instead, layer by layer (rank A's layer l, rank
+B's layer l, A's layer l + 1, ...), so that one rank's attention runs while the FFN
+serves another's layer (docs/ping-pong.md).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from vllm.afd import compat, failure, metrics
+from vllm.afd.connector_spec import FFN_SCHEDULES
 from vllm.afd.model_split import (
     STATE,
     ffn_fingerprint,
@@ -74,6 +78,25 @@ def graph_window(extra: dict, ranks: int) -> int:
 # their session. A rank that stops mid-frame so stalls the others of its pass this long,
 # once; a slow but live rank (a long prefill among decodes) costs only that pass's sharing.
 STRAGGLER_S = 0.25
+
+
+def ffn_schedule(extra: dict, grouped: bool = False) -> str:
+    """connector_extra_config.ffn_schedule (checked against its spec record at
+    configuration time; checked here again for a runner built without it). An FFN group
+    (tensor_parallel_size > 1) agrees on one joined step a round: it refuses "pingpong"."""
+    schedule = extra.get("ffn_schedule", "join")
+    if schedule not in FFN_SCHEDULES:
+        raise ValueError(
+            f"connector_extra_config.ffn_schedule must be one of "
+            f"{', '.join(map(repr, FFN_SCHEDULES))}; got {schedule!r}"
+        )
+    if grouped and schedule != "join":
+        raise ValueError(
+            f"connector_extra_config.ffn_schedule {schedule!r}: an FFN group "
+            "(tensor_parallel_size > 1) serves its ranks' steps joined in this release; drop "
+            "the key or set it to 'join'"
+        )
+    return schedule
 
 
 def split_passes(ready: list, max_tokens: int) -> list[list]:
@@ -166,6 +189,10 @@ class FFNModelRunner:
         self.steps_served = 0
         self.batched_steps = 0  # steps that served several attention ranks at once
         self.ubatched_steps = 0  # steps served as micro-batches (DBO)
+        # connector_extra_config.ffn_schedule: "join" (one pass over the ranks ready
+        # together) or "pingpong" (their steps interleaved layer by layer)
+        self.schedule = "join"
+        self.pingpong_steps = 0  # rounds of several ranks served interleaved
         # Attention ranks lost in the round being served (their rows are zeros, their
         # outputs not sent), and how many sessions were lost so in all.
         self._lost: set[int] = set()
@@ -261,8 +288,9 @@ class FFNModelRunner:
             num_router_logits=router_logits_width(self.vllm_config),
         )
         self.rank = rank
-        self.connector = create_ffn_connector(ctx)
         extra = cfg.connector_extra_config
+        self.schedule = ffn_schedule(extra, grouped=self.group is not None)
+        self.connector = create_ffn_connector(ctx)
         # FFN-side CUDA graphs, keyed by the step's (attention rank, token count)
         # pairs: a key that recurs is captured (_maybe_capture).
         self.graphs_enabled = (
@@ -483,6 +511,10 @@ class FFNModelRunner:
                     self._lose_peer(peer, e)
             ready = [p for p in ready if not ubatch_of(p.control.flags)[1]]
         passes = split_passes(ready, self.max_pass_tokens)
+        if self.schedule == "pingpong" and len(ready) > 1:
+            # Each rank's step is a pass of its own (split_passes checked its size).
+            self._run_interleaved(ready)
+            return True
         if len(passes) > 1:
             self._count_split(ready, len(passes))
         for peers in passes:
@@ -498,7 +530,12 @@ class FFNModelRunner:
             if ubatch_of(peer.control.flags)[1]:
                 self._open(_UbatchedPass, peer, peer)
         passes = split_passes(plain, self.max_pass_tokens)
-        if len(passes) > 1:
+        if self.schedule == "pingpong" and len(plain) > 1:
+            # A pass per rank: _drive runs each one's layer as its input arrives, so the
+            # ranks' layers interleave (A's layer l, B's layer l, A's layer l + 1, ...).
+            passes = [[p] for p in plain]
+            self._count_pingpong(plain)
+        elif len(passes) > 1:
             self._count_split(plain, len(passes))
         for peers in passes:
             self._open(_Pass, peers[0], peers)
@@ -777,6 +814,54 @@ class FFNModelRunner:
                 transfer += t
                 compute += c
         return transfer, compute
+
+    def _run_interleaved(self, ready) -> None:
+        """Serve the steps of ``ready`` (several ranks, none micro-batched) interleaved
+        layer by layer in their order: rank A's layer l, rank B's layer l, ..., A's layer
+        l + 1. Each hand-over waits for its own rank's input only, so a rank computes its
+        attention for layer l + 1 while the FFN serves the other ranks' layer l. Captured
+        as one CUDA graph per ordered composition, keyed apart from the joined ones."""
+        key = ("pingpong", *((p.rank, p.control.num_tokens) for p in ready))
+        if self._replay(key, ready, batched=False):
+            self._count_pingpong(ready)
+            return
+        transfer, compute = self._interleaved_body(ready, capture=False)
+        self._count_pingpong(ready)
+        self._account(ready, compute, transfer, batched=False)
+        if not any(p.rank in self._lost for p in ready):
+            total = sum(p.control.num_tokens for p in ready)
+            self._maybe_capture(key, total, lambda: self._interleaved_body(ready, True))
+
+    def _interleaved_body(self, ready, capture: bool):
+        """Every layer for the steps of ``ready`` in turn, each on its own rows (its own
+        block call: a rank's FFN work is the same as when served alone). A rank lost on
+        the way is skipped from then on. Returns (transfer, compute)."""
+        from vllm.forward_context import set_forward_context
+
+        transfer = compute = 0.0
+        sync = self._sync_timing and not capture
+        for layer_idx, module in self.modules.items():
+            live = [p for p in ready if p.rank not in self._lost]
+            if not live:
+                break
+            for peer in live:
+                n = peer.control.num_tokens
+                x = torch.empty((n, self.hidden_size), dtype=self.dtype, device=self.device)
+                with set_forward_context(None, self.vllm_config, num_tokens=n):
+                    t, c = self._layer(layer_idx, module, [peer], x, [0, n], sync, capture)
+                transfer += t
+                compute += c
+        return transfer, compute
+
+    def _count_pingpong(self, ready) -> None:
+        if not self.pingpong_steps:
+            logger.info(
+                "AFD FFN role: serving the steps of attention ranks %s interleaved layer by "
+                "layer (connector_extra_config.ffn_schedule 'pingpong'); logged once",
+                [p.rank for p in ready],
+            )
+        self.pingpong_steps += 1
+        metrics.STATS.inc("ffn_pingpong_steps")
 
     def _count_ubatched(self, rank: int, count: int) -> None:
         if not self.ubatched_steps:
