@@ -31,11 +31,11 @@ router; ``both`` runs each. Prints a table and, with ``--json FILE``, writes the
 ``plain`` as M replicas of batch b, and ``plain_one`` as ONE plain engine of batch M x b
 (the same total concurrency; its KV cache M times ``--kv-cache-memory-bytes``): what a user
 with one GPU runs instead of either. The table gives every mode's throughput against the
-replicas and against that one engine. ``--ffn-schedule join,pingpong`` runs every AFD mode
-once per FFN schedule (``connector_extra_config.ffn_schedule``, docs/ping-pong.md): joined
-passes (``afd``) and the ranks' steps interleaved layer by layer (``afd_pingpong``), and
-the FFN line of each AFD run counts the passes that joined ranks and the rounds that
-interleaved them.
+replicas and against that one engine. ``--ffn-schedule join,pingpong,auto`` runs every AFD
+mode once per FFN schedule (``connector_extra_config.ffn_schedule``, docs/ping-pong.md):
+joined passes (``afd``), the ranks' steps interleaved layer by layer (``afd_pingpong``),
+either per composition of ranks by measured rounds (``afd_auto``); the FFN line of each AFD
+run counts the passes that joined ranks and the rounds that interleaved them.
 
 Beside every figure the table prints the step's roofline (``vllm.afd.plan``): the bytes it
 must move (the weights each process reads, the experts its tokens touch, the KV cache at
@@ -406,7 +406,7 @@ def ffn_line(stats: dict) -> str:
 
 
 # connector_extra_config.ffn_schedule (vllm.afd.connector_spec.FFN_SCHEDULES)
-FFN_SCHEDULES = ("join", "pingpong")
+FFN_SCHEDULES = ("join", "pingpong", "auto")
 
 
 def connector_extra(a, mode: str) -> dict:
@@ -421,7 +421,8 @@ def connector_extra(a, mode: str) -> dict:
 
 def split_mode(mode: str) -> tuple[str, str]:
     """A mode's base (plain, plain_one, afd, afd_dbo) and FFN schedule: ``afd_pingpong``
-    is ``afd`` with ffn_schedule pingpong; every other mode's schedule is join."""
+    is ``afd`` with ffn_schedule pingpong, ``afd_auto`` with auto; every other mode's
+    schedule is join."""
     for schedule in FFN_SCHEDULES[1:]:
         if mode.startswith("afd") and mode.endswith("_" + schedule):
             return mode[: -len(schedule) - 1], schedule
@@ -607,8 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connector-extra", help="JSON connector_extra_config for both AFD roles")
     p.add_argument("--ffn-schedule", default="join",
                    help="comma list of FFN schedules (connector_extra_config.ffn_schedule: "
-                   "join, pingpong); every AFD mode runs once per schedule, a pingpong run "
-                   "named MODE_pingpong (afd_pingpong), e.g. join,pingpong compares them")
+                   "join, pingpong, auto); every AFD mode runs once per schedule, a run of "
+                   "another than join named MODE_SCHEDULE (afd_pingpong, afd_auto), e.g. "
+                   "join,pingpong compares them")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="fixed KV cache size instead of vLLM's profiling (two roles sharing "
@@ -870,6 +872,8 @@ def add_bounds(a, summary: list[dict], model, card) -> None:
     context = a.input_len + a.output_len / 2
     for row in summary:
         base, schedule = split_mode(row["mode"])
+        if schedule == "auto":  # a mix of joined and interleaved rounds: no one bound
+            continue
         mode = "afd_pingpong" if schedule == "pingpong" else "afd" if base.startswith(
             "afd") else base
         routing = roofline.routing_of(row["routing"])

@@ -147,7 +147,7 @@ class ConnectorSpec:
 
 # connector_extra_config.ffn_schedule: how an FFN rank serves the attention ranks ready
 # together (vllm.afd.ffn_runner; docs/ping-pong.md).
-FFN_SCHEDULES = ("join", "pingpong")
+FFN_SCHEDULES = ("join", "pingpong", "auto")
 
 # Keys of the control channel and the FFN serve loop: every connector takes them.
 CHANNEL_KEYS: tuple[ExtraKey, ...] = (
@@ -171,7 +171,8 @@ CHANNEL_KEYS: tuple[ExtraKey, ...] = (
              minimum=0, maximum=1 << 20),
     ExtraKey("ffn_schedule", STRING, "join",
              "how an FFN rank serves several ready attention ranks: one pass over all their "
-             "tokens (join), or their steps interleaved layer by layer (pingpong)",
+             "tokens (join), their steps interleaved layer by layer (pingpong), or per "
+             "composition of ranks whichever gave the shorter rounds (auto)",
              choices=FFN_SCHEDULES),
 )
 

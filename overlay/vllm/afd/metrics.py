@@ -105,7 +105,7 @@ COUNTERS = {
     "ffn_graph_capture_seconds": "Seconds the FFN rank spent capturing CUDA graphs.",
     "ffn_ubatched_steps": "AFD steps served as micro-batches (DBO on the attention rank).",
     "ffn_pingpong_steps": "AFD rounds that served several attention ranks' steps interleaved "
-    "layer by layer (connector_extra_config.ffn_schedule pingpong).",
+    "layer by layer (connector_extra_config.ffn_schedule pingpong, or auto).",
     "ffn_straggler_splits": "AFD passes that went on without ranks whose layer input was "
     "late (those continued on their own, or ended at their own deadline).",
     "rejoins": "Times this attention rank reached its lost FFN rank again and re-ran the step.",

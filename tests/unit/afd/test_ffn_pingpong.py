@@ -134,9 +134,66 @@ def test_a_step_above_the_pass_bound_is_refused_as_when_joined():
 def test_the_schedule_key():
     assert ffn_runner.ffn_schedule({}) == "join"
     assert ffn_runner.ffn_schedule({"ffn_schedule": "pingpong"}) == "pingpong"
-    with pytest.raises(ValueError, match=r"ffn_schedule must be one of 'join', 'pingpong'; "
-                                         r"got 'pp'"):
+    with pytest.raises(ValueError, match=r"ffn_schedule must be one of 'join', 'pingpong', "
+                                         r"'auto'; got 'pp'"):
         ffn_runner.ffn_schedule({"ffn_schedule": "pp"})
     with pytest.raises(ValueError, match=r"ffn_schedule 'pingpong': an FFN group"):
         ffn_runner.ffn_schedule({"ffn_schedule": "pingpong"}, grouped=True)
+    with pytest.raises(ValueError, match=r"ffn_schedule 'auto': an FFN group"):
+        ffn_runner.ffn_schedule({"ffn_schedule": "auto"}, grouped=True)
     assert ffn_runner.ffn_schedule({"ffn_schedule": "join"}, grouped=True) == "join"
+
+
+# ------------------------------------------------------------ ffn_schedule "auto"
+def test_auto_probes_both_schedules_then_keeps_the_shorter_rounds():
+    auto, key = ffn_runner.AutoSchedule(), ((0, 4), (1, 4))
+    probes = 2 * auto.PROBES
+    chosen = []
+    for _ in range(probes):
+        chosen.append(auto.choose(key))
+        auto.record(key, chosen[-1], {"join": 0.010, "pingpong": 0.007}[chosen[-1]])
+    assert chosen == ["join", "pingpong"] * auto.PROBES  # alternating, join first
+    chosen = [auto.choose(key) for _ in range(auto.REPROBE)]
+    # rounds probes+1 .. probes+REPROBE: the shorter one, the other on every REPROBE-th
+    assert chosen.count("join") == 1 and chosen.index("join") == auto.REPROBE - probes - 1
+    # the interleaved rounds grow longer than the joined ones: the choice follows the
+    # medians of the last PROBES periods
+    for _ in range(auto.PROBES // 2 + 1):
+        auto.record(key, "pingpong", 0.012)
+    assert auto.choose(key) == "join"
+    auto.record(((5, 1),), "join", 1.0)  # a composition never chosen for: ignored
+    assert ((5, 1),) not in auto.periods
+
+
+def test_auto_rounds_are_timed_from_one_round_of_a_composition_to_the_next(monkeypatch):
+    """The runner under "auto": a round's period (its start to the next round's start)
+    counts for its schedule only when the next round has the same ranks and tokens."""
+    clock = [0.0]
+    monkeypatch.setattr(ffn_runner.time, "perf_counter", lambda: clock[0])
+    r = _runner(_Conn(), schedule="auto", layers=1)
+    cost = {"join": 0.010, "pingpong": 0.006}
+    served = []
+
+    def round_(ready):
+        before = r.pingpong_steps
+        r._run_step(ready)
+        served.append("pingpong" if r.pingpong_steps > before else "join")
+        clock[0] += cost[served[-1]]
+
+    pair = [_step(0, 2), _step(1, 3)]
+    round_(pair)
+    round_([_step(0, 2)])  # another composition: the pair's first period is dropped
+    round_([_step(1, 3), _step(0, 2)])  # the same ranks and tokens in another order
+    assert served == ["join", "join", "join"]
+    for _ in range(2 * r._auto.PROBES):
+        round_(pair)
+    key = ((0, 2), (1, 3))
+    assert [len(d) for d in r._auto.periods[key].values()] == [r._auto.PROBES] * 2
+    assert list(r._auto.periods[key]["pingpong"]) == pytest.approx([0.006] * r._auto.PROBES)
+    for _ in range(5):
+        round_(pair)
+    assert served[-5:] == ["pingpong"] * 5 and r.batched_steps == r._auto.PROBES + 1
+    # a micro-batched step in the round, or one rank: joined, not timed
+    assert r._round_schedule([StepPeer(0, P.Control(P.MSG_STEP, 7, 2, P.ubatch_flags(0, 2))),
+                              _step(1, 3)]) == "join"
+    assert r._auto_last is None

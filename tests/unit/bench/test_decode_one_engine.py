@@ -44,6 +44,7 @@ def test_every_afd_mode_runs_once_per_ffn_schedule():
                                                              "ffn_schedule": "pingpong"}
     assert decode.check_sweep(decode.build_parser(), args("--ffn-schedule", "pingpong"))[2] \
         == ["plain", "afd_pingpong"]
+    assert decode.split_mode("afd_auto") == ("afd", "auto")
     # the benchmark's schedules are the configuration's
     from vllm.afd.connector_spec import FFN_SCHEDULES
     assert decode.FFN_SCHEDULES == FFN_SCHEDULES
@@ -134,8 +135,9 @@ def test_bounds_beside_each_figure(tmp_path):
     assert card is plan.CARDS["h100"], why
     rows = [{"batch": 64, "routing": "balanced", "mode": m, "tpot_s": t}
             for m, t in (("plain", 12.12e-3), ("plain_one", 7.09e-3), ("afd", 8.23e-3),
-                         ("afd_pingpong", 10e-3))]
+                         ("afd_pingpong", 10e-3), ("afd_auto", 9e-3))]
     decode.add_bounds(a, rows, model, card)
+    assert "bound_s" not in rows.pop()  # auto: joined and interleaved rounds, no one bound
     by = {r["mode"]: r for r in rows}
     for mode, r in by.items():  # afd_pingpong: the FFN's weights read once per rank
         b = plan.step_bound(model, card, mode, 2, 64, 64 + 48, "balanced")
@@ -182,7 +184,7 @@ def test_table_prints_both_ratios_and_the_bound(capsys):
     (["--card", "tpu"], "--card tpu: one of auto"),
     (["--hbm-tbs", "0"], "--hbm-tbs and --tflops must be positive"),
     (["--ffn-schedule", "join,pp"], "--ffn-schedule join,pp: a comma list of distinct values "
-                                    "of join, pingpong"),
+                                    "of join, pingpong, auto"),
     (["--connector-extra", '{"ffn_schedule": "pingpong"}'], "give the FFN schedule with "
                                                             "--ffn-schedule"),
 ])  # fmt: skip
