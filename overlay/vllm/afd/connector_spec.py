@@ -107,6 +107,9 @@ class ConnectorSpec:
     cross_host: bool
     aliases: tuple[str, ...] = ()
     graph_capable: bool = False
+    # The FFN side captures its passes in CUDA graphs too (None: as graph_capable); False
+    # where the FFN rank's host loop takes part in each hand-over (nixl).
+    ffn_graphs: bool | None = None
     dbo_devices: tuple[str, ...] = ()
     rejoin: str = "no"
     failover: bool = False
@@ -121,6 +124,10 @@ class ConnectorSpec:
     @property
     def dbo_capable(self) -> bool:
         return bool(self.dbo_devices)
+
+    @property
+    def ffn_graph_capable(self) -> bool:
+        return self.graph_capable if self.ffn_graphs is None else self.ffn_graphs
 
     def keys(self) -> dict[str, ExtraKey]:
         """Every connector_extra_config key this connector takes (the channel's and its own)."""
@@ -298,10 +305,13 @@ register(ConnectorSpec(
     module="vllm.distributed.afd.nixl",
     attention_class="NixlAttentionConnector",
     ffn_class="NixlFFNConnector",
-    summary="one-sided NIXL writes into registered host-memory inboxes, with notifications",
-    devices=("cpu",),
+    summary="one-sided NIXL writes into registered inboxes (host or device memory), with "
+            "notifications; on CUDA posted by a host proxy for the graphs",
+    devices=("cpu", "cuda"),
     cross_host=True,
-    dbo_devices=("cpu",),
+    graph_capable=True,
+    ffn_graphs=False,
+    dbo_devices=("cpu", "cuda"),
     rejoin="yes",
     failover=True,
     max_ubatches=2,

@@ -280,11 +280,12 @@ def check_capabilities(spec: connector_spec.ConnectorSpec, attention_cls, ffn_cl
     the attention role may keep CUDA graphs or micro-batch; the roles read the classes'
     graph_capable / dbo_capable. Refuse classes that disagree with their record instead of
     letting one side run steps the other cannot serve."""
-    for attr, declared in (
-        ("graph_capable", spec.graph_capable),
-        ("dbo_capable", spec.dbo_capable),
+    for attr, declared, classes in (
+        ("graph_capable", spec.graph_capable, (attention_cls,)),
+        ("graph_capable", spec.ffn_graph_capable, (ffn_cls,)),
+        ("dbo_capable", spec.dbo_capable, (attention_cls, ffn_cls)),
     ):
-        for cls in (attention_cls, ffn_cls):
+        for cls in classes:
             has = bool(getattr(cls, attr, False))
             if has != declared:
                 raise ValueError(
