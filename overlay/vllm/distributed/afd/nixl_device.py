@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.logger import init_logger
+
 try:  # triton ships with torch's CUDA builds
     import triton
     import triton.language as tl
@@ -55,6 +57,8 @@ CTRL_STAMP_SHIFT = 48
 POISON = 1 << 62
 COPY_BLOCK = 1024
 
+logger = init_logger(__name__)
+
 if triton is not None:
 
     @triton.jit
@@ -69,13 +73,15 @@ if triton is not None:
     def _ring_kernel(ctr, records, nbytes):
         c = tl.load(ctr)
         tl.store(ctr, c + 1)
-        tl.store(records + c % 4, ((c + 1) << 40) | nbytes)  # RING, STAMP_SHIFT
+        tl.store(records + c % 4, ((c + 1) << 40) | nbytes.to(tl.int64))  # RING, STAMP_SHIFT
 
     @triton.jit(do_not_specialize=["tokens", "flags"])
     def _control_kernel(ctr, records, tokens, flags):
         c = tl.load(ctr)
         tl.store(ctr, c + 1)
-        word = (((c + 1) & 0xFFFF) << 48) | ((flags & 0xFFFF) << 32) | tokens
+        # the scalar arguments arrive as int32: widen them before shifting
+        flags64 = flags.to(tl.int64) & 0xFFFF
+        word = (((c + 1) & 0xFFFF) << 48) | (flags64 << 32) | tokens.to(tl.int64)
         tl.store(records + c % 4, word)  # RING
 
     @triton.jit(do_not_specialize=["timeout_ns"])
@@ -252,6 +258,7 @@ class Proxy:
         self.controls_sent = 0
         self._pending: list[object] = []
         self._early: list[set[int]] = [set() for _ in range(self.lanes)]
+        self._through = False  # a reply taken in this session (logged once)
 
     # -- the session (from the plane, between forwards) --------------------------------
     def serve(self, target: Target, who: str) -> None:
@@ -353,6 +360,11 @@ class Proxy:
                 self.replies[lane] = n
                 self.flags.words[lane] = n
                 busy = True
+                if not self._through:
+                    self._through = True
+                    logger.info("AFD: nixl proxy: %s answers (the first reply taken after %d "
+                                "step control(s) and %d write(s) posted)", self._who,
+                                self.controls_sent, sum(self.posted))  # fmt: skip
         if self.err is not None and int(self.err.words[0]):
             raise RuntimeError(
                 f"AFD peer {self._who} did not answer within the timeout (layer message "
