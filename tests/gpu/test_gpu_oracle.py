@@ -277,6 +277,26 @@ def test_gpu_oracle_m_attention_ranks_one_ffn_rank(name, num_attention, tmp_path
           f"every attention rank, max |logprob diff| {worst:.3g}, {counts}")
 
 
+def test_gpu_oracle_2a1f_pingpong(tmp_path, procs):
+    """ffn_schedule pingpong over cuda_ipc: the FFN rank serves the two ranks' steps
+    interleaved layer by layer, captured as one CUDA graph per ordered pair of ranks and
+    replayed; each rank's output equals plain vLLM's (its FFN work is what it would be
+    served alone)."""
+    name, mode = "deepseek_v2_mla", "graphs"
+    plain = _plain(name, mode, RUNNER, tmp_path / "plain", procs)
+    ffns: list = []
+    outs = _afd(name, "cuda_ipc", 0, mode, RUNNER, tmp_path, procs, keep_ffn=ffns,
+                num_attention=2, gpu_args=MN_GPU_ARGS,
+                extra={"connector_extra_config": {"ffn_schedule": "pingpong"}})
+    worst = max(_compare(plain, out) for out in outs)
+    counts = ffn_stopped_counts(ffns[0])
+    log = _ffn_log(tmp_path)
+    assert counts["pingpong"] > 0 and counts["batched"] == 0, counts
+    assert "captured a CUDA graph for step ('pingpong', (" in log, log[-3000:]
+    print(f"ORACLE {name} cuda_ipc {mode} 2A1F pingpong on one GPU: tokens identical on "
+          f"both ranks, max |logprob diff| {worst:.3g}, {counts}")
+
+
 # nixl on one GPU, both roles on GPU 0 (under MPS with MPS=1): its device path (VRAM
 # inboxes; the attention role's exchanges are kernels that a host proxy posts as NIXL
 # writes), FULL decode graphs on the attention role, the FFN rank's host loop eager. One
