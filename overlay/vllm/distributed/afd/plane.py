@@ -151,6 +151,35 @@ class FFNPlane(ABC):
         """The FFN rank stops."""
         return None
 
+    # -- posted I/O (``polled``) ---------------------------------------------------
+    # The plane's messages can be posted and checked without waiting: the channel then
+    # posts them beside its own control frames and serves all sessions at once
+    # (TCPFFNConnector.async_io), so no session waits on another's messages; the blocking
+    # recv/send above are not called by the serve loop.
+    polled = False
+
+    def recv_posted(self, link: Link, out: torch.Tensor, lane: int = 0) -> Callable[[], bool]:
+        """``polled``: receive this session's next message on ``lane`` into ``out``; the
+        returned ``check()`` never waits: True once the message arrived (and is in
+        ``out``). Raises AFDPeerError when the session is gone."""
+        raise NotImplementedError(f"the {type(self).__name__} does not post its messages")
+
+    def send_posted(self, link: Link, y: torch.Tensor, lane: int = 0) -> Callable[[], bool]:
+        """``polled``: start sending this session's layer output; the returned ``done()``
+        never waits: True once the send completed (``y`` may be reused at once)."""
+        raise NotImplementedError(f"the {type(self).__name__} does not post its messages")
+
+    def progress(self) -> None:
+        """``polled``: once per round of the channel's pump, before the checks: drive the
+        plane's transfers (take what arrived)."""
+        return None
+
+    def idle_wait(self, waited: float) -> float:
+        """``polled``: how long a round of the pump may wait for the sockets while posted
+        messages of the plane are outstanding, ``waited`` seconds after the last one moved
+        (the plane's messages cannot be select()ed: the pump polls them this often)."""
+        return 0.0
+
 
 # ------------------------------------------------------------------ sockets
 class SocketAttentionPlane(AttentionPlane):

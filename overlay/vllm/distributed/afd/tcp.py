@@ -807,7 +807,8 @@ class TCPFFNConnector(FFNConnector):
     survives_peer_loss = True
     # Receives and sends are posted and the sockets of all attention ranks pumped
     # together (post_recv, post_send, pump): no rank waits on another rank's bytes. With
-    # a data plane of the channel's own connection (FFNPlane.in_channel: sockets) only.
+    # a data plane of the channel's own connection (FFNPlane.in_channel: sockets), or of
+    # one whose messages are posted and checked without waiting (FFNPlane.polled: nixl).
     async_io = True
     # A rank that had a step within ACTIVE_S is waited for (up to the batch
     # window, connector_extra_config.batch_window_ms, default 5) to join a step.
@@ -825,7 +826,8 @@ class TCPFFNConnector(FFNConnector):
             self.graph_capable = plane.graph_capable
             self.dbo_capable = plane.dbo_capable
         self.plane = plane if plane is not None else SocketFFNPlane(ctx)
-        self.async_io = type(self).async_io and self.plane.in_channel
+        self.async_io = type(self).async_io and (self.plane.in_channel or self.plane.polled)
+        self._plane_moved = time.monotonic()  # a polled plane's last post or arrival
         cfg = ctx.config
         self.batch_window = float(cfg.connector_extra_config.get("batch_window_ms", 5.0)) / 1e3
         self.expected = set(cfg.attention_ranks_of(ctx.rank))
@@ -1299,9 +1301,13 @@ class TCPFFNConnector(FFNConnector):
             if due is not None:
                 wake = min(wake, due)
         between = only is None
-        ready = poll_io([(p.sock, p.reading(between) is not None, bool(p.tx)) for p in peers],
-                        max(0.0, wake - now))  # fmt: skip
-        event = False
+        wants = [(p.sock, p.reading(between) is not None, bool(p.tx)) for p in peers]
+        if self.plane.polled and self._plane_owed(peers):
+            ready = self._poll_capped(wants, max(0.0, wake - now))
+            event = self._poll_plane(peers)
+        else:
+            ready = poll_io(wants, max(0.0, wake - now))
+            event = False
         for p, (can_read, can_write) in zip(peers, ready):
             if self.peers.get(p.rank) is not p:
                 continue  # dropped meanwhile (a goodbye)
@@ -1326,7 +1332,7 @@ class TCPFFNConnector(FFNConnector):
         byte either way (or the post of a message) while a posted message has not arrived
         or queued bytes are not taken; between steps timeout_s after the last byte it sent
         (heartbeats come every second). None while it waits for this side only."""
-        if p.tx or p.owes():
+        if p.tx or p.owes() or p.sends:
             return p.progress + self.timeout
         if p.rx or p.held:
             return None
@@ -1337,6 +1343,8 @@ class TCPFFNConnector(FFNConnector):
             return f"AFD peer {p.name} stopped reading (send timed out)"
         if p.rx:
             return f"AFD peer {p.name} did not answer within the timeout"
+        if p.sends:
+            return f"AFD peer {p.name} did not take its layer output (send timed out)"
         return f"lost AFD {p.name}: nothing received for {self.timeout:g} s"
 
     def _read(self, p: Peer, between_steps: bool = True) -> bool:
@@ -1402,11 +1410,67 @@ class TCPFFNConnector(FFNConnector):
             return None
         return ctrl
 
+    # -- a polled data plane (FFNPlane.polled: nixl) --------------------------
+    def _plane_owed(self, peers: list[Peer]) -> bool:
+        """A message or a send of the polled plane is outstanding for one of ``peers``."""
+        return any(p.sends or any(m.check is not None and not m.arrived for m in p.rx)
+                   for p in peers)  # fmt: skip
+
+    def _poll_capped(self, wants: list, wait: float) -> list[tuple[bool, bool]]:
+        """poll_io while the polled plane has messages outstanding: its arrivals cannot be
+        select()ed, so the sockets (controls, EOF) are waited for no longer than the plane
+        says (FFNPlane.idle_wait), then the pump checks the plane again."""
+        wait = min(wait, self.plane.idle_wait(time.monotonic() - self._plane_moved))
+        if wait >= 0.001:
+            return poll_io(wants, wait)
+        ready = poll_io(wants, 0.0)
+        if wait > 0 and not any(r or w for r, w in ready):
+            time.sleep(wait)
+        return ready
+
+    def _poll_plane(self, peers: list[Peer]) -> bool:
+        """One round of the polled plane: drive its transfers, then finish the posted
+        messages that arrived and forget the sends that completed, of every rank at once.
+        True when a posted message arrived or a rank with one posted was lost (its own
+        session only: AFDPeerError of its checks)."""
+        self.plane.progress()
+        event = moved = False
+        for p in peers:
+            if self.peers.get(p.rank) is not p:
+                continue
+            try:
+                arrived = False
+                for m in p.rx:
+                    arrived |= m.poll()
+                n = len(p.sends)
+                if n:
+                    p.sends = type(p.sends)(done for done in p.sends if not done())
+                if arrived or len(p.sends) < n:
+                    p.last_seen = p.progress = time.monotonic()
+                    moved = True
+                event |= arrived
+            except AFDPeerError as e:
+                in_step = bool(p.rx)
+                self._lose(p, str(e))
+                event |= in_step
+                if not self.survives_peer_loss:
+                    raise
+        if moved:
+            self._plane_moved = time.monotonic()
+        return event
+
     # -- posted I/O of a step (async_io) -------------------------------------
     def post_recv(self, peer: StepPeer, out: torch.Tensor) -> None:
         """Receive this peer's next message (a layer input) into ``out`` as its bytes
-        arrive; :meth:`arrived` tells when, :meth:`take` finishes it."""
-        self._post(self._peer(peer), Inbound.tensor(out))
+        arrive; :meth:`arrived` tells when, :meth:`take` finishes it. With a polled data
+        plane the message is the plane's (on the lane of the peer's micro-batch)."""
+        p = self._peer(peer)
+        if self.plane.polled:
+            lane = ubatch_of(peer.control.flags)[0]
+            self._post(p, Inbound.polled(self.plane.recv_posted(self._link(p), out, lane)))
+            self._plane_moved = time.monotonic()
+            return
+        self._post(p, Inbound.tensor(out))
 
     def post_control(self, peer: StepPeer) -> None:
         """Receive the control message of this peer's next micro-batch (DBO); :meth:`take`
@@ -1437,8 +1501,21 @@ class TCPFFNConnector(FFNConnector):
 
     def post_send(self, peer: StepPeer, y: torch.Tensor) -> None:
         """Send this peer's layer output: what its socket takes now, the rest as it reads
-        (:meth:`pump`); never waits."""
+        (:meth:`pump`); never waits. With a polled data plane the plane sends it, and
+        the pump sees it complete."""
         p = self._peer(peer)
+        if self.plane.polled:
+            lane = ubatch_of(peer.control.flags)[0]
+            try:
+                done = self.plane.send_posted(self._link(p), y, lane)
+            except AFDPeerError as e:
+                self._lose(p, str(e))
+                raise
+            if not p.sends:
+                p.progress = time.monotonic()
+            p.sends.append(done)
+            self._plane_moved = time.monotonic()
+            return
         host = y.contiguous() if y.device.type == "cpu" else y.contiguous().cpu()
         view = tensor_bytes(host)
         if not len(view):
@@ -1516,6 +1593,7 @@ class TCPFFNConnector(FFNConnector):
         self._drop(p)
         p.rx.clear()
         p.tx.clear()
+        p.sends.clear()
         if self.survives_peer_loss:
             logger.warning(
                 "AFD: FFN rank %d lost attention rank %d (%s); serving the other attention "
@@ -1558,7 +1636,7 @@ class TCPFFNConnector(FFNConnector):
             self.plane.send(self._link(p), y, ubatch_of(peer.control.flags)[0])
             return
         self.post_send(peer, y)
-        self._wait(p, lambda: not p.tx)
+        self._wait(p, lambda: not p.tx and not p.sends)
 
     def close(self) -> None:
         self._stop.set()
