@@ -2,7 +2,8 @@
 ranks of its FFN rank: the FFN rank's serve loop (vllm.afd.ffn_runner's, with a fake model)
 over real sockets on 127.0.0.1 (the TCP connector), two attention ranks, one of which stops
 mid-frame - in a layer input of a pass the two share, in a control frame between steps, in a
-micro-batched (DBO) step, or by no longer reading its outputs.
+micro-batched (DBO) step, or by no longer reading its outputs; and over the nixl data plane
+(real NIXL agents), a rank that stops in a shared pass or in its micro-batched step.
 
 Checked: every layer of the healthy rank comes back within STALL_BOUND_S (the serve loop
 waits STRAGGLER_S for a late rank of a shared pass, then goes on without it), with the right
@@ -337,8 +338,10 @@ def test_nixl_a_rank_stopped_in_a_shared_pass_does_not_stall_the_other(net, serv
     """Rank 1 sends its control and its first layer input, then nothing (its agent is no
     longer driven either): the FFN rank waits for the notifications of every posted
     message at once, splits rank 1 out of the shared pass STRAGGLER_S after rank 0's input
-    came and drops it at its own deadline. Before, the FFN rank waited for rank 1's
-    notification alone for timeout_s, holding rank 0 (which timed out first)."""
+    came and drops it at its own deadline. Rank 1's reply write never completes (over UCX
+    it needs the stopped agent's progress): posted, it holds no one either. Before, the
+    FFN rank waited for that write, then for rank 1's notification, alone for timeout_s,
+    holding rank 0 (which timed out first)."""
     ffn, healthy, stopped = nixl_ranks(net)
     healthy.begin_step(1, 2)
     stopped.begin_step(1, 3)

@@ -1341,7 +1341,7 @@ class TCPFFNConnector(FFNConnector):
     def _overdue(self, p: Peer) -> str:
         if p.tx:
             return f"AFD peer {p.name} stopped reading (send timed out)"
-        if p.rx:
+        if p.owes():
             return f"AFD peer {p.name} did not answer within the timeout"
         if p.sends:
             return f"AFD peer {p.name} did not take its layer output (send timed out)"
