@@ -174,11 +174,10 @@ def _engine_config(tmp_path, hf: dict, enable_dbo: bool):
 def test_dbo_moves_deepseek_v2_from_vllms_runner_v2_to_v1(tmp_path, monkeypatch):
     """vLLM's own runner choice, as a CUDA host makes it (Triton there): DeepSeek-V2 runs on
     model runner V2 by default, and with --enable-dbo on V1 wherever this vLLM's V2 has no
-    micro-batch runner (0.26.0); Qwen3-MoE runs V1 either way. This is why a DeepSeek-V2
-    attention server with --enable-dbo differed from plain vLLM at a near-tied first token
-    of a prompt although DBO split no step, while Qwen3-MoE matched."""
+    micro-batch runner (0.26.0); Qwen3-MoE runs V1 either way. So a DeepSeek-V2 attention
+    server with --enable-dbo runs another runner than plain vLLM also where DBO splits no
+    step (the FFN rank on the same GPU), while a Qwen3-MoE one runs plain's."""
     import vllm.config.vllm as vllm_config_module
-
     from vllm.afd import compat
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
