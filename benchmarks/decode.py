@@ -31,7 +31,11 @@ router; ``both`` runs each. Prints a table and, with ``--json FILE``, writes the
 ``plain`` as M replicas of batch b, and ``plain_one`` as ONE plain engine of batch M x b
 (the same total concurrency; its KV cache M times ``--kv-cache-memory-bytes``): what a user
 with one GPU runs instead of either. The table gives every mode's throughput against the
-replicas and against that one engine.
+replicas and against that one engine. ``--ffn-schedule join,pingpong,auto`` runs every AFD
+mode once per FFN schedule (``connector_extra_config.ffn_schedule``, docs/ping-pong.md):
+joined passes (``afd``), the ranks' steps interleaved layer by layer (``afd_pingpong``),
+either per composition of ranks by measured rounds (``afd_auto``); the FFN line of each AFD
+run counts the passes that joined ranks and the rounds that interleaved them.
 
 Beside every figure the table prints the step's roofline (``vllm.afd.plan``): the bytes it
 must move (the weights each process reads, the experts its tokens touch, the KV cache at
@@ -309,10 +313,12 @@ FFN_STATS = "AFD-FFN-STATS"
 
 def print_ffn_stats(runner) -> None:
     """The share of FFN passes that joined several attention ranks (M:N's gain comes from
-    those: one read of the experts for all of them) and the FFN graphs captured and
-    replayed (each capture stalls the ranks served); measure() reads this line."""
+    those: one read of the experts for all of them), the rounds that interleaved several
+    ranks' steps (ffn_schedule pingpong) and the FFN graphs captured and replayed (each
+    capture stalls the ranks served); measure() reads this line."""
     print(f"{FFN_STATS} " + json.dumps({"steps_served": runner.steps_served,
                                         "batched_steps": runner.batched_steps,
+                                        "pingpong_steps": runner.pingpong_steps,
                                         "split_steps": runner.split_steps,
                                         "graphs": len(runner.graphs),
                                         "graph_replays": runner.graph_replays}), flush=True)
@@ -387,9 +393,40 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
             except subprocess.TimeoutExpired:
                 ffn.kill()
             if (stats := ffn_stats(work / f"{tag}_ffn.log")) is not None and afd:
-                print(f"  {tag}: FFN passes {stats['steps_served']}, of them joining several "
-                      f"attention ranks {stats['batched_steps']}; FFN graphs captured "
-                      f"{stats['graphs']}, replayed {stats['graph_replays']} times", flush=True)
+                print(f"  {tag}: {ffn_line(stats)}", flush=True)
+
+
+def ffn_line(stats: dict) -> str:
+    """What the FFN rank of an AFD run did: its passes, those that joined several attention
+    ranks, the rounds that interleaved several ranks' steps, its graphs."""
+    return (f"FFN passes {stats['steps_served']}, of them joining several attention ranks "
+            f"{stats['batched_steps']}; rounds interleaving several ranks (pingpong) "
+            f"{stats.get('pingpong_steps', 0)}; FFN graphs captured {stats['graphs']}, "
+            f"replayed {stats['graph_replays']} times")
+
+
+# connector_extra_config.ffn_schedule (vllm.afd.connector_spec.FFN_SCHEDULES)
+FFN_SCHEDULES = ("join", "pingpong", "auto")
+
+
+def connector_extra(a, mode: str) -> dict:
+    """The connector_extra_config of an AFD mode's roles: --connector-extra, with the
+    mode's FFN schedule where it is not the default."""
+    extra = json.loads(a.connector_extra) if a.connector_extra else {}
+    schedule = split_mode(mode)[1]
+    if schedule != "join":
+        extra["ffn_schedule"] = schedule
+    return extra
+
+
+def split_mode(mode: str) -> tuple[str, str]:
+    """A mode's base (plain, plain_one, afd, afd_dbo) and FFN schedule: ``afd_pingpong``
+    is ``afd`` with ffn_schedule pingpong, ``afd_auto`` with auto; every other mode's
+    schedule is join."""
+    for schedule in FFN_SCHEDULES[1:]:
+        if mode.startswith("afd") and mode.endswith("_" + schedule):
+            return mode[: -len(schedule) - 1], schedule
+    return mode, "join"
 
 
 def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,
@@ -399,8 +436,8 @@ def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,
     port = free_port()
     cfg = {"connector": a.connector, "host": "127.0.0.1", "port": port, "timeout_s": 300,
            "num_attention_ranks": a.engines, "num_ffn_ranks": 1}
-    if a.connector_extra:
-        cfg["connector_extra_config"] = json.loads(a.connector_extra)
+    if extra := connector_extra(a, mode):
+        cfg["connector_extra_config"] = extra
     ffn_env = dict(env)
     # run_ffn reads the FFN runner of its own process (ffn_runner.ACTIVE): the
     # engine core must run in-process (on the CPU it does anyway).
@@ -424,7 +461,7 @@ def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,
                  "--breakdown", str(a.breakdown_steps)]
         # vLLM's own step spans ("gpu_model_runner: forward") delimit the steps.
         env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
-    if mode == "afd_dbo":
+    if split_mode(mode)[0] == "afd_dbo":
         args.append("--enable-dbo")
     return child(a, "ffn", ffn_args, ffn_env, work / f"{tag}_ffn.log"), args
 
@@ -569,6 +606,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile (default eager)")
     p.add_argument("--compilation-config", help="JSON for LLM(compilation_config=...); not eager")
     p.add_argument("--connector-extra", help="JSON connector_extra_config for both AFD roles")
+    p.add_argument("--ffn-schedule", default="join",
+                   help="comma list of FFN schedules (connector_extra_config.ffn_schedule: "
+                   "join, pingpong, auto); every AFD mode runs once per schedule, a run of "
+                   "another than join named MODE_SCHEDULE (afd_pingpong, afd_auto), e.g. "
+                   "join,pingpong compares them")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="fixed KV cache size instead of vLLM's profiling (two roles sharing "
@@ -683,6 +725,16 @@ def check_sweep(p: argparse.ArgumentParser, a) -> tuple[list[int], list[str], li
         p.error("--modes plain_one needs --engines 2 or more (with one engine it is plain)")
     if len(set(modes)) < len(modes):
         p.error(f"--modes {a.modes}: a mode given twice (--rounds N measures each N times)")
+    schedules = [s.strip() for s in a.ffn_schedule.split(",") if s.strip()]
+    if not schedules or set(schedules) - set(FFN_SCHEDULES) or len(set(schedules)) < len(
+        schedules
+    ):
+        p.error(f"--ffn-schedule {a.ffn_schedule}: a comma list of distinct values of "
+                f"{', '.join(FFN_SCHEDULES)}")
+    if a.connector_extra and "ffn_schedule" in json.loads(a.connector_extra):
+        p.error("give the FFN schedule with --ffn-schedule, not in --connector-extra")
+    modes = [m if s == "join" or not m.startswith("afd") else f"{m}_{s}"
+             for m in modes for s in (schedules if m.startswith("afd") else ["join"])]
     roofline.check_arguments(p, a)
     return batches, routings, modes
 
@@ -819,7 +871,11 @@ def add_bounds(a, summary: list[dict], model, card) -> None:
     same_gpu = a.device != "cuda" or a.attention_gpu == a.ffn_gpu
     context = a.input_len + a.output_len / 2
     for row in summary:
-        mode = "afd" if row["mode"].startswith("afd") else row["mode"]
+        base, schedule = split_mode(row["mode"])
+        if schedule == "auto":  # a mix of joined and interleaved rounds: no one bound
+            continue
+        mode = "afd_pingpong" if schedule == "pingpong" else "afd" if base.startswith(
+            "afd") else base
         routing = roofline.routing_of(row["routing"])
         b = plan.step_bound(model, card, mode, a.engines, row["batch"], context, routing,
                             same_gpu)

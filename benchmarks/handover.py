@@ -14,6 +14,15 @@ layers)``. Both processes on one GPU (under CUDA MPS with ``--mps``; without it 
 time-slice the GPU) or on two (``--peer-gpu``).
 
     python3 benchmarks/handover.py --mps --tokens 16,64,256 --hidden 2048 --layers 27
+
+``--variants split,nixl,nixl-host`` (``--connector nixl`` adds both) measures the nixl
+connector's device path beside it, with its own classes (the installed vLLM's
+``vllm.distributed.afd.nixl``; ``nixl`` installed): ``nixl``, the attention side's graph of
+copy + record kernels and bounded waits that its host proxy thread posts as NIXL writes,
+against the FFN side's host loop (wait for the notification, copy out, copy in, write
+back); ``nixl-host``, the same NIXL writes and host loop on both sides with no kernel and
+no proxy (each side's host posts and waits): the floor of NIXL and the host loops, so that
+``nixl`` minus ``nixl-host`` is what the proxy and the device waits add.
 """
 
 from __future__ import annotations
@@ -185,17 +194,103 @@ def measure(torch, k, a, role: str, me: Side, peer, variant: str, tokens: int) -
             "err": int(me.err[0])}
 
 
+def nixl_side(torch, role: str, a, q_out, q_in) -> dict:
+    """Both nixl variants on this side (see the module docstring); the FFN side echoes."""
+    from vllm.distributed.afd import nixl as nx
+    from vllm.distributed.afd import nixl_device as nd
+
+    dev = torch.device(torch.cuda.current_device())
+    slot = max(a.tokens_list) * a.hidden * 2
+    agent = nx.Agent(role, 0, "UCX", spin_s=1.0)  # spin: each side has cores of its own
+    box = nx.Mailbox(agent, slot, dev)
+    q_out.put((agent.metadata(), agent.name, box.address(), box.dev_id))
+    meta, name, inbox, dev_id = q_in.get()
+    peer = agent.add_peer(meta)
+    assert peer == name, (peer, name)
+    per_size = 1 + 3 + a.steps  # steps of each size: the warm-up, 3 replays, the timed ones
+    out = {}
+    for variant in [v for v in a.variants if v.startswith("nixl")]:
+        # one session a variant; both directions carry its id (as the connector's do)
+        s = nx.Session(variant, peer, (inbox, dev_id, "VRAM"), box, "peer")
+        device_path = role == "attention" and variant == "nixl"
+        if device_path:
+            lanes = nd.DeviceLanes(nx.LANES, dev)
+            losses: list[str] = []
+
+            def write(lane, seq, nbytes, note, s=s):
+                index = nx.slot_index(lane, seq)
+                return agent.write(s.box.out_slot(index), s.peer_slot(index), max(1, nbytes),
+                                   s.peer_agent, note, "peer")  # fmt: skip
+
+            proxy = nd.Proxy(agent, lanes.records, lanes.controls, lanes.flags, nx.LANES, 1.0,
+                             err=lanes.err)  # fmt: skip
+            proxy.serve(nd.Target(variant, peer, write, None, losses.append), "peer")
+        for tokens in a.tokens_list:
+            x = torch.randn((tokens, a.hidden), dtype=torch.bfloat16, device=dev)
+            y = torch.empty_like(x)
+            if not device_path:  # the FFN side's host loop, or both sides' (nixl-host)
+                t0 = time.perf_counter()
+                for _ in range(per_size * a.layers):
+                    if role == "attention":
+                        nx.write_message(agent, s, 0, x, 30.0)
+                    nx.read_message(agent, s, 0, nx.claim(s, 0), y, time.monotonic() + 30)
+                    if role != "attention":
+                        nx.write_message(agent, s, 0, y, 30.0)
+                torch.cuda.synchronize()
+                dt = (time.perf_counter() - t0) / per_size
+                ok = bool(torch.equal(y, x)) or role != "attention"
+                out[f"{variant}/{tokens}"] = {"step_us": dt * 1e6, "err": 0, "echo_ok": ok}
+                continue
+
+            def step(x=x, y=y, lanes=lanes):
+                for _ in range(a.layers):
+                    lanes.send(0, x, box.outbox, slot)
+                    lanes.recv(0, y, box.inbox, slot, TIMEOUT_NS)
+
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                step()
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                step()
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                graph.replay()
+            torch.cuda.synchronize()
+            dt = (time.perf_counter() - t0) / a.steps
+            ok = bool(torch.equal(y, x)) and not losses
+            out[f"{variant}/{tokens}"] = {"step_us": dt * 1e6, "err": lanes.error_word(),
+                                          "echo_ok": ok}  # fmt: skip
+        if device_path:
+            proxy.stop()
+    return out
+
+
 def run_side(role: str, a, q_out, q_in, results) -> None:
     import torch
 
+    if [v for v in a.variants if v.startswith("nixl")]:
+        torch.cuda.set_device(f"cuda:{a.gpu if role == 'attention' else a.peer_gpu}")
+        out = nixl_side(torch, role, a, q_out, q_in)
+        a.variants = [v for v in a.variants if not v.startswith("nixl")]
+    else:
+        out = {}
+    if not a.variants:
+        results.put((role, out))
+        q_in.get()
+        return
     k = kernels()
     device = f"cuda:{a.gpu if role == 'attention' else a.peer_gpu}"
     torch.cuda.set_device(device)
     me = Side(torch, max(a.tokens_list) * a.hidden * 2, device)
     q_out.put((me.inbox, me.flag))
     peer = q_in.get()
-    out = {f"{v}/{t}": measure(torch, k, a, role, me, peer, v, t)
-           for v in a.variants for t in a.tokens_list}
+    out.update({f"{v}/{t}": measure(torch, k, a, role, me, peer, v, t)
+                for v in a.variants for t in a.tokens_list})
     results.put((role, out))
     q_in.get()  # the peer's buffers stay mapped until the other side is done too
 
@@ -206,7 +301,10 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--variants", default="split,fused")
+    p.add_argument("--variants", default="split,fused",
+                   help="split, fused, nixl, nixl-host (comma-separated)")
+    p.add_argument("--connector", choices=["cuda_ipc", "nixl"],
+                   help="nixl: add the nixl variants to --variants")
     p.add_argument("--gpu", default="0")
     p.add_argument("--peer-gpu", default="0")
     p.add_argument("--mps", action="store_true", help="start the CUDA MPS control daemon")
@@ -214,8 +312,10 @@ def main() -> int:
     a = p.parse_args()
     a.tokens_list = [int(t) for t in a.tokens.split(",")]
     a.variants = [v for v in a.variants.split(",") if v]
-    if set(a.variants) - {"split", "fused"}:
-        p.error("--variants: split and/or fused")
+    if a.connector == "nixl":
+        a.variants += [v for v in ("nixl", "nixl-host") if v not in a.variants]
+    if set(a.variants) - {"split", "fused", "nixl", "nixl-host"}:
+        p.error("--variants: split, fused, nixl, nixl-host")
     import torch.multiprocessing as tmp
 
     ctx = tmp.get_context("spawn")

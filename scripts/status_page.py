@@ -458,6 +458,8 @@ def describe_key(key) -> str:
         lo = "-inf" if key.minimum is None else num(key.minimum)
         hi = "inf" if key.maximum is None else num(key.maximum)
         kind += f" in {lo}..{hi}"
+    if key.choices:
+        kind = "one of " + ", ".join(json.dumps(c) for c in key.choices)
     default = "unset" if key.default is None else json.dumps(key.default)
     return f"{kind}, default {default}"
 

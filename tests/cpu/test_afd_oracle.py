@@ -234,20 +234,30 @@ def test_oracle_gate_on_attention(name, models_dir, tmp_path, procs):
     assert "router of 2 MoE layer(s) runs on the attention role" in attn.text(), attn.tail()
 
 
-def test_oracle_2a1f(models_dir, tmp_path, procs):
-    """Two attention ranks feed one FFN rank, which batches ready ranks."""
+# primary_pin on pingpong: the schedule is overlay logic; the joined case runs on every line.
+@pytest.mark.parametrize("schedule", ["join", pytest.param("pingpong",
+                                                           marks=pytest.mark.primary_pin)])
+def test_oracle_2a1f(schedule, models_dir, tmp_path, procs):
+    """Two attention ranks feed one FFN rank, which batches ready ranks (join) or serves
+    their steps interleaved layer by layer (connector_extra_config.ffn_schedule pingpong)."""
     model = models_dir / "qwen3_moe"
     plain = plain_reference(model, tmp_path)
-    ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, together=True)
+    ffn, attns = run_afd(procs, tmp_path, model, num_attention=2, together=True,
+                         extra={"connector_extra_config": {"ffn_schedule": schedule}})
     for attn, out in attns:
         assert attn.wait(START_TIMEOUT) == 0, attn.tail() + "\n--- ffn ---\n" + ffn.tail()
         assert_matches(plain, json.loads(out.read_text()))
     counts = ffn_stopped_counts(ffn)
-    print(counts)  # steps served, and how many of them batched both attention ranks
+    print(schedule, counts)  # steps served, how many joined or interleaved both ranks
     # Both ranks run the same prompts, started at once: with the 5 ms batch window, some
     # passes join them (41 of 65, 21 of 85, 27 of 79 steps here, 2 cores); none would mean no
     # batching. (Started as each engine came up, the ranks once did not overlap at all.)
-    assert counts["batched"] > 0, counts
+    if schedule == "join":
+        assert counts["batched"] > 0 and counts["pingpong"] == 0, counts
+    else:  # the rounds of both ranks were interleaved, none joined
+        assert counts["pingpong"] > 0 and counts["batched"] == 0, counts
+        assert "interleaved layer by layer (connector_extra_config.ffn_schedule 'pingpong')" \
+            in ffn.text(), ffn.tail()
 
 
 def test_oracle_nixl_2a1f_one_rank_dbo(models_dir, tmp_path, procs):

@@ -1,5 +1,8 @@
-"""GPU restart oracle: no request lost when the FFN server restarts, on cuda_ipc
-with FULL_DECODE_ONLY CUDA graphs on the attention server.
+"""GPU restart oracle: no request lost when the FFN server restarts, on cuda_ipc (with
+``ipc_rejoin``) and on nixl (its device path), with FULL_DECODE_ONLY CUDA graphs on the
+attention server. Below, the cuda_ipc case; nixl's differs in what the rejoin sets up anew:
+a new NIXL session with the restarted FFN process's new agent, this side's rings and
+counters from message 0, its captured graphs unchanged (they hold only this side's buffers).
 
 A `vllm serve` AFD pair on GPU 0 (both servers on one GPU; scripts/gpu/run_gpu.sh runs them
 under CUDA MPS with MPS=1), connector cuda_ipc with ``connector_extra_config.ipc_rejoin``,
@@ -66,11 +69,16 @@ ENV = {"CUDA_VISIBLE_DEVICES": GPU, "VLLM_USE_V2_MODEL_RUNNER": "1" if RUNNER ==
 GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
           "cudagraph_capture_sizes": [1, 2, 4, 8, 16]}  # fmt: skip
 MODE_ARGS = ["--compilation-config", json.dumps(GRAPHS)]  # plain vLLM and the attention server
-CONNECTOR = {"connector": "cuda_ipc", "connector_extra_config": {"ipc_rejoin": True}}
-# The attention log's lines of the first device channel and of its re-map at the rejoin.
-MAPPED = "cuda_ipc device channel to FFN rank 0"
-REMAPPED = "mapped again (pointer table updated)"
-LABEL = f"{MODEL} cuda_ipc ipc_rejoin FULL_DECODE_ONLY runner={RUNNER}"  # of the RESTART line
+# Per connector: its AFD config keys, and the attention log's lines of the first device
+# channel and of its set-up anew at the rejoin. nixl: its device path (the host proxy posts
+# the graphs' exchanges; a restarted FFN rank is a new agent and a new session).
+CONNECTORS = {
+    "cuda_ipc": ({"connector": "cuda_ipc", "connector_extra_config": {"ipc_rejoin": True}},
+                 "cuda_ipc device channel to FFN rank 0", "mapped again (pointer table updated)",
+                 "cuda_ipc ipc_rejoin"),
+    "nixl": ({"connector": "nixl"}, "nixl device path to FFN rank 0",
+             "a new session (rings and counters from message 0)", "nixl"),
+}  # fmt: skip
 N_STREAMS = 16
 MAX_TOKENS = 256  # long enough that every stream is still running at the kill
 PROMPTS = [f"Story number {i}: once upon a time" for i in range(N_STREAMS)]
@@ -110,15 +118,15 @@ def _reference(model_dir: Path, directory: Path) -> dict:
 class Pair:
     """The attention server and a restartable FFN server on fixed ports, on GPU 0."""
 
-    def __init__(self, model_dir: Path, log_dir: Path):
-        self.model_dir, self.log_dir = model_dir, log_dir
+    def __init__(self, model_dir: Path, log_dir: Path, connector: dict):
+        self.model_dir, self.log_dir, self.connector = model_dir, log_dir, connector
         self.api_attn, self.api_ffn, self.afd_port = su.free_ports(3)
         self.servers: list[su.Server] = []
         self.n_ffn = 0
 
     def config(self, role: str) -> dict:
         return su.afd_config(role, self.afd_port, timeout_s=AFD_TIMEOUT_S,
-                             rejoin_timeout_s=REJOIN_TIMEOUT_S, **CONNECTOR)  # fmt: skip
+                             rejoin_timeout_s=REJOIN_TIMEOUT_S, **self.connector)  # fmt: skip
 
     def _start(self, name: str, role: str, port: int, extra: list[str]) -> su.Server:
         srv = su.Server.start(name, self.model_dir, port, self.log_dir / f"{name}.log",
@@ -154,12 +162,20 @@ def _as_outputs(streams: list[TokenStream]) -> dict:
     return {"outputs": [{"token_ids": s.ids, "logprobs": s.top} for s in streams]}
 
 
-def test_gpu_ipc_ffn_restart_loses_no_request(tmp_path):
+_PLAIN: dict[str, dict] = {}
+
+
+@pytest.mark.parametrize("connector", list(CONNECTORS))
+def test_gpu_ipc_ffn_restart_loses_no_request(connector, tmp_path):
+    config, mapped, remapped, label = CONNECTORS[connector]
+    label = f"{MODEL} {label} FULL_DECODE_ONLY runner={RUNNER}"  # of the RESTART line
     model_dir = MODELS_DIR / MODEL
     assert (model_dir / "model.safetensors").is_file(), f"{model_dir}: run `make models`"
     print(f"server logs: {tmp_path}")
-    plain = _reference(model_dir, tmp_path / "plain")
-    pair = Pair(model_dir, tmp_path)
+    if "plain" not in _PLAIN:  # one reference for both connectors
+        _PLAIN["plain"] = _reference(model_dir, tmp_path / "plain")
+    plain = _PLAIN["plain"]
+    pair = Pair(model_dir, tmp_path, config)
     try:
         ffn = pair.start_ffn()  # first, as test_gpu_oracle.py does: the attention rank
         attn = pair.start_attention()  # dials it for timeout_s while it starts
@@ -215,14 +231,14 @@ def test_gpu_ipc_ffn_restart_loses_no_request(tmp_path):
         # anew (pointer table) and ran the interrupted forward again; it never ended.
         text = _log(attn)
         assert "holding the step and rejoining" in text, attn.log_tail()
-        assert MAPPED in text and text.count(REMAPPED) == 1, attn.log_tail()
+        assert mapped in text and text.count(remapped) == 1, attn.log_tail()
         outage = _seconds(text, r"rejoined FFN rank 0 at \S+ after ([0-9.]+) s without it")
         rerun = _seconds(text, r"interrupted (?:forward|step) re-ran(?: clean)? ([0-9.]+) s "
                                r"after the loss")  # fmt: skip
         assert outage is not None and rerun is not None, attn.log_tail()
         assert "accepted attention rank 0" in _log(ffn2), ffn2.log_tail()
         print(
-            f"RESTART {LABEL}: SIGKILL FFN, restarted {DOWN_S:g} s after it was gone: outage {outage:.1f} s "
+            f"RESTART {label}: SIGKILL FFN, restarted {DOWN_S:g} s after it was gone: outage {outage:.1f} s "
             f"(loss to rejoin), forward re-ran {rerun:.1f} s after the loss, first token "
             f"{resumed - t_start:.1f} s after the FFN start ({resumed - t_kill:.1f} s after "
             f"the kill; FFN healthy after {healthy['ffn2']:.1f} s); {N_STREAMS}/{N_STREAMS} "

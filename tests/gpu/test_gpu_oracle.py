@@ -278,6 +278,58 @@ def test_gpu_oracle_m_attention_ranks_one_ffn_rank(name, num_attention, tmp_path
           f"every attention rank, max |logprob diff| {worst:.3g}, {counts}")
 
 
+def test_gpu_oracle_2a1f_pingpong(tmp_path, procs):
+    """ffn_schedule pingpong over cuda_ipc: the FFN rank serves the two ranks' steps
+    interleaved layer by layer, captured as one CUDA graph per ordered pair of ranks and
+    replayed; each rank's output equals plain vLLM's (its FFN work is what it would be
+    served alone)."""
+    name, mode = "deepseek_v2_mla", "graphs"
+    plain = _plain(name, mode, RUNNER, tmp_path / "plain", procs)
+    ffns: list = []
+    outs = _afd(name, "cuda_ipc", 0, mode, RUNNER, tmp_path, procs, keep_ffn=ffns,
+                num_attention=2, gpu_args=MN_GPU_ARGS,
+                extra={"connector_extra_config": {"ffn_schedule": "pingpong"}})
+    worst = max(_compare(plain, out) for out in outs)
+    counts = ffn_stopped_counts(ffns[0])
+    log = _ffn_log(tmp_path)
+    assert counts["pingpong"] > 0 and counts["batched"] == 0, counts
+    assert "captured a CUDA graph for step ('pingpong', (" in log, log[-3000:]
+    print(f"ORACLE {name} cuda_ipc {mode} 2A1F pingpong on one GPU: tokens identical on "
+          f"both ranks, max |logprob diff| {worst:.3g}, {counts}")
+
+
+# nixl on one GPU, both roles on GPU 0 (under MPS with MPS=1): its device path (VRAM
+# inboxes; the attention role's exchanges are kernels that a host proxy posts as NIXL
+# writes), FULL decode graphs on the attention role, the FFN rank's host loop eager. One
+# plain reference for the three cases (the cache above).
+NIXL_CASES = {
+    "1a1f": {},
+    "dbo": {"attn_args": ["--enable-dbo", "--dbo-threshold", "2"]},
+    "2a1f": {"num_attention": 2, "gpu_args": MN_GPU_ARGS},
+}
+
+
+@pytest.mark.parametrize("case", list(NIXL_CASES))
+def test_gpu_oracle_nixl(case, tmp_path, procs):
+    name, mode = "deepseek_v2_mla", "graphs"
+    plain = _plain(name, mode, RUNNER, tmp_path / "plain", procs)
+    ffns: list = []
+    outs = _afd(name, "nixl", 0, mode, RUNNER, tmp_path, procs, keep_ffn=ffns,
+                **NIXL_CASES[case])  # fmt: skip
+    outs = outs if isinstance(outs, list) else [outs]
+    worst = max(_compare(plain, out) for out in outs)
+    for r in range(len(outs)):
+        log = _attn_log(tmp_path, r)
+        assert "running eager" not in log and "Capturing CUDA graphs" in log
+        assert "nixl device path to FFN rank 0" in log
+    assert "VRAM" in _ffn_log(tmp_path)  # the FFN rank's inboxes are device memory
+    counts = ffn_stopped_counts(ffns[0])
+    if case == "dbo":
+        assert counts["ubatched"] > counts["steps"] // 2, counts
+    print(f"ORACLE {name} nixl {mode} {case} runner={RUNNER}: tokens identical, "
+          f"max |logprob diff| {worst:.3g}, {counts}")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an FFN group needs two GPUs")
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2_mla"])
 def test_gpu_oracle_2a2f_ffn_group_expert_parallel(name, tmp_path, procs):

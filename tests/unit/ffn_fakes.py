@@ -1,5 +1,6 @@
 """The FFN rank's serve-loop code on CPU tensors without a model, shared by the unit tests of
-vllm.afd.ffn_runner (pass bound, micro-batched steps, the loss of a rank in a step)."""
+vllm.afd.ffn_runner (pass bound, micro-batched steps, ping-pong between ranks, the loss of a
+rank in a step)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class FakeRunner(ffn_runner.FFNModelRunner):
         hidden: int = 4,
         max_pass_tokens: int = 64,
         block: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+        schedule: str = "join",
     ):
         self.connector = conn
         self.rows_per_call: list[int] = []
@@ -39,6 +41,8 @@ class FakeRunner(ffn_runner.FFNModelRunner):
         self._sync_timing = False
         self._settle_passes = False
         self.steps_served = self.batched_steps = self.ubatched_steps = 0
+        self.schedule, self.pingpong_steps = schedule, 0
+        self._auto, self._auto_last = ffn_runner.AutoSchedule(), None
         self.graphs_enabled = False
         self.profiler = None
         self.max_pass_tokens = max_pass_tokens

@@ -39,6 +39,8 @@ class ExtraKey:
     doc: str
     minimum: float | None = None
     maximum: float | None = None
+    # STRING only: the values it may take (empty: any non-empty string).
+    choices: tuple[str, ...] = ()
 
     def check(self, value: Any) -> str | None:
         """Why ``value`` is not acceptable for this key, None when it is."""
@@ -48,6 +50,10 @@ class ExtraKey:
                 return None
             return f"{where} must be true or false; got {value!r}"
         if self.kind == STRING:
+            if self.choices:
+                if isinstance(value, str) and value in self.choices:
+                    return None
+                return f"{where} must be one of {_choices(self.choices)}; got {value!r}"
             if isinstance(value, str) and value.strip():
                 return None
             return f"{where} must be a non-empty string; got {value!r}"
@@ -67,8 +73,14 @@ class ExtraKey:
         kind = {BOOL: "true/false", INT: "integer", NUMBER: "number", STRING: "string"}[self.kind]
         if self.kind in (INT, NUMBER) and (self.minimum is not None or self.maximum is not None):
             kind += " in " + _bounds(self.minimum, self.maximum)
+        if self.choices:
+            kind = "one of " + _choices(self.choices)
         default = "unset" if self.default is None else repr(self.default)
         return f"{kind}, default {default}"
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return ", ".join(map(repr, values))
 
 
 def _bounds(lo: float | None, hi: float | None) -> str:
@@ -95,6 +107,9 @@ class ConnectorSpec:
     cross_host: bool
     aliases: tuple[str, ...] = ()
     graph_capable: bool = False
+    # The FFN side captures its passes in CUDA graphs too (None: as graph_capable); False
+    # where the FFN rank's host loop takes part in each hand-over (nixl).
+    ffn_graphs: bool | None = None
     dbo_devices: tuple[str, ...] = ()
     rejoin: str = "no"
     failover: bool = False
@@ -109,6 +124,10 @@ class ConnectorSpec:
     @property
     def dbo_capable(self) -> bool:
         return bool(self.dbo_devices)
+
+    @property
+    def ffn_graph_capable(self) -> bool:
+        return self.graph_capable if self.ffn_graphs is None else self.ffn_graphs
 
     def keys(self) -> dict[str, ExtraKey]:
         """Every connector_extra_config key this connector takes (the channel's and its own)."""
@@ -133,6 +152,10 @@ class ConnectorSpec:
         return extra.get(name, self.keys()[name].default)
 
 
+# connector_extra_config.ffn_schedule: how an FFN rank serves the attention ranks ready
+# together (vllm.afd.ffn_runner; docs/ping-pong.md).
+FFN_SCHEDULES = ("join", "pingpong", "auto")
+
 # Keys of the control channel and the FFN serve loop: every connector takes them.
 CHANNEL_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey("secret_env", STRING, "VLLM_AFD_SECRET",
@@ -153,6 +176,11 @@ CHANNEL_KEYS: tuple[ExtraKey, ...] = (
     ExtraKey("ffn_cuda_graph_window", INT, None,
              "a step shape is captured when it recurs within this many FFN passes",
              minimum=0, maximum=1 << 20),
+    ExtraKey("ffn_schedule", STRING, "join",
+             "how an FFN rank serves several ready attention ranks: one pass over all their "
+             "tokens (join), their steps interleaved layer by layer (pingpong), or per "
+             "composition of ranks whichever gave the shorter rounds (auto)",
+             choices=FFN_SCHEDULES),
 )
 
 FAILOVER_KEY = ExtraKey(
@@ -277,10 +305,13 @@ register(ConnectorSpec(
     module="vllm.distributed.afd.nixl",
     attention_class="NixlAttentionConnector",
     ffn_class="NixlFFNConnector",
-    summary="one-sided NIXL writes into registered host-memory inboxes, with notifications",
-    devices=("cpu",),
+    summary="one-sided NIXL writes into registered inboxes (host or device memory), with "
+            "notifications; on CUDA posted by a host proxy for the graphs",
+    devices=("cpu", "cuda"),
     cross_host=True,
-    dbo_devices=("cpu",),
+    graph_capable=True,
+    ffn_graphs=False,
+    dbo_devices=("cpu", "cuda"),
     rejoin="yes",
     failover=True,
     max_ubatches=2,

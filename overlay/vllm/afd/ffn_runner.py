@@ -6,19 +6,26 @@ KV cache, and serves per-layer FFN calls: for every step it receives the
 step-control message of each ready attention rank, then layer by layer
 receives their hidden states, runs the block on all of them at once
 (attention ranks that are ready together share one FFN pass), and sends each
-rank its rows back.
+rank its rows back. With ``connector_extra_config.ffn_schedule: "pingpong"`` the steps
+of ranks ready together are interleaved instead, layer by layer (rank A's layer l, rank
+B's layer l, A's layer l + 1, ...), so that one rank's attention runs while the FFN
+serves another's layer; ``"auto"`` picks either per composition of ranks from the rounds'
+measured periods (docs/ping-pong.md).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 from torch.profiler import record_function
 
 from vllm.afd import compat, failure, metrics
+from vllm.afd.connector_spec import FFN_SCHEDULES
 from vllm.afd.model_split import (
     STATE,
     ffn_fingerprint,
@@ -38,6 +45,8 @@ ACTIVE: list[FFNModelRunner] = []
 # Profiler requests of an FFN server without a profiler: any attention rank (any holder of
 # a slot) can send them at will; one WARNING per 10 s at most.
 _LOG_NO_PROFILER = LogThrottle()
+# ffn_schedule "auto": decisions logged at most once per 10 s.
+_LOG_AUTO = LogThrottle()
 # Default of connector_extra_config.ffn_cuda_graph_max_tokens: this many per attention
 # rank served (vLLM's largest decode capture size by default).
 GRAPH_TOKENS_PER_RANK = 512
@@ -74,6 +83,77 @@ def graph_window(extra: dict, ranks: int) -> int:
 # their session. A rank that stops mid-frame so stalls the others of its pass this long,
 # once; a slow but live rank (a long prefill among decodes) costs only that pass's sharing.
 STRAGGLER_S = 0.25
+
+
+def ffn_schedule(extra: dict, grouped: bool = False) -> str:
+    """connector_extra_config.ffn_schedule (checked against its spec record at
+    configuration time; checked here again for a runner built without it). An FFN group
+    (tensor_parallel_size > 1) agrees on one joined step a round: it refuses the others."""
+    schedule = extra.get("ffn_schedule", "join")
+    if schedule not in FFN_SCHEDULES:
+        raise ValueError(
+            f"connector_extra_config.ffn_schedule must be one of "
+            f"{', '.join(map(repr, FFN_SCHEDULES))}; got {schedule!r}"
+        )
+    if grouped and schedule != "join":
+        raise ValueError(
+            f"connector_extra_config.ffn_schedule {schedule!r}: an FFN group "
+            "(tensor_parallel_size > 1) serves its ranks' steps joined in this release; drop "
+            "the key or set it to 'join'"
+        )
+    return schedule
+
+
+class AutoSchedule:
+    """connector_extra_config.ffn_schedule "auto": per composition of ready ranks (their
+    ranks and token counts, several ranks, no micro-batched step), join or interleave
+    (pingpong), whichever gave the shorter round. A round's period runs from its start to
+    the start of the next round of the same composition (a round of another composition
+    in between discards it): the FFN's service, the hand-overs, the ranks' work outside the
+    FFN layers and the wait for their next steps, everything the schedule changes. Each
+    composition first runs PROBES rounds of each schedule, alternating; then the one whose
+    last PROBES periods have the lower median, and every REPROBE-th round the other, so that
+    its median follows what changed (graphs captured, contexts grown). The medians discard
+    the eager rounds before a composition's graph is captured and the capture."""
+
+    PROBES = 5
+    REPROBE = 50
+    MAX_KEYS = 4096
+
+    def __init__(self):
+        self.periods: dict[tuple, dict[str, deque]] = {}
+        self.rounds: dict[tuple, int] = {}
+        self.choice: dict[tuple, str] = {}
+
+    def choose(self, key: tuple) -> str:
+        if key not in self.periods:
+            if len(self.periods) >= self.MAX_KEYS:  # compositions of long past prefills
+                self.periods.clear()
+                self.rounds.clear()
+                self.choice.clear()
+            self.periods[key] = {s: deque(maxlen=self.PROBES) for s in ("join", "pingpong")}
+        seen = self.periods[key]
+        n = self.rounds[key] = self.rounds.get(key, 0) + 1
+        short = [s for s, d in seen.items() if len(d) < self.PROBES]
+        if short:
+            return min(short, key=lambda s: len(seen[s]))  # join first on a tie
+        best = min(seen, key=lambda s: statistics.median(seen[s]))
+        if self.choice.get(key) != best:
+            self.choice[key] = best
+            _LOG_AUTO(
+                logger.info,
+                "AFD FFN role: ffn_schedule 'auto' chose %s for attention ranks and tokens %s "
+                "(median round %.2f ms joined, %.2f ms interleaved)",
+                best, list(key), statistics.median(seen["join"]) * 1e3,
+                statistics.median(seen["pingpong"]) * 1e3,
+            )  # fmt: skip
+        if n % self.REPROBE == 0:
+            return "pingpong" if best == "join" else "join"
+        return best
+
+    def record(self, key: tuple, schedule: str, period: float) -> None:
+        if key in self.periods:
+            self.periods[key][schedule].append(period)
 
 
 def split_passes(ready: list, max_tokens: int) -> list[list]:
@@ -166,6 +246,13 @@ class FFNModelRunner:
         self.steps_served = 0
         self.batched_steps = 0  # steps that served several attention ranks at once
         self.ubatched_steps = 0  # steps served as micro-batches (DBO)
+        # connector_extra_config.ffn_schedule: "join" (one pass over the ranks ready
+        # together), "pingpong" (their steps interleaved layer by layer) or "auto"
+        # (either, per composition of ranks, by AutoSchedule)
+        self.schedule = "join"
+        self.pingpong_steps = 0  # rounds of several ranks served interleaved
+        self._auto = AutoSchedule()
+        self._auto_last: tuple | None = None  # "auto": (composition, schedule, start)
         # Attention ranks lost in the round being served (their rows are zeros, their
         # outputs not sent), and how many sessions were lost so in all.
         self._lost: set[int] = set()
@@ -261,8 +348,9 @@ class FFNModelRunner:
             num_router_logits=router_logits_width(self.vllm_config),
         )
         self.rank = rank
-        self.connector = create_ffn_connector(ctx)
         extra = cfg.connector_extra_config
+        self.schedule = ffn_schedule(extra, grouped=self.group is not None)
+        self.connector = create_ffn_connector(ctx)
         # FFN-side CUDA graphs, keyed by the step's (attention rank, token count)
         # pairs: a key that recurs is captured (_maybe_capture).
         self.graphs_enabled = (
@@ -466,14 +554,35 @@ class FFNModelRunner:
         if self._settle_passes:
             torch.cuda.current_stream(self.device).synchronize()
 
+    def _round_schedule(self, ready) -> str:
+        """The schedule of this round: ffn_schedule, or with "auto" the one AutoSchedule
+        chooses for its composition (join where there is nothing to choose: one rank, a
+        micro-batched step); the period of the last round is recorded first."""
+        if self.schedule != "auto":
+            return self.schedule
+        now = time.perf_counter()
+        key = None
+        if len(ready) > 1 and not any(ubatch_of(p.control.flags)[1] for p in ready):
+            key = tuple(sorted((p.rank, p.control.num_tokens) for p in ready))
+        last, self._auto_last = self._auto_last, None
+        if last is not None and key is not None and last[0] == key:
+            self._auto.record(key, last[1], now - last[2])
+        if key is None:
+            return "join"
+        schedule = self._auto.choose(key)
+        self._auto_last = (key, schedule, now)
+        return schedule
+
     def _run_step(self, ready) -> bool:
         """Serve the steps of ``ready``; True when a layer ran. Micro-batched (DBO) steps
         are served on their own, layer by layer alternating between the micro-batches; the
-        others share passes of at most max_pass_tokens. With an async_io connector the
-        passes run side by side (_serve_async); else one after another, each layer waiting
-        for its ranks' inputs one rank after another."""
+        others share passes of at most max_pass_tokens, or are interleaved layer by layer
+        (the round's schedule "pingpong"). With an async_io connector the passes run side
+        by side (_serve_async); else one after another, each layer waiting for its ranks'
+        inputs one rank after another."""
+        schedule = self._round_schedule(ready) if ready else "join"
         if getattr(self.connector, "async_io", False):
-            return self._serve_async(ready)
+            return self._serve_async(ready, schedule)
         ubatched = [p for p in ready if ubatch_of(p.control.flags)[1]]
         if ubatched:
             for peer in ubatched:
@@ -483,6 +592,10 @@ class FFNModelRunner:
                     self._lose_peer(peer, e)
             ready = [p for p in ready if not ubatch_of(p.control.flags)[1]]
         passes = split_passes(ready, self.max_pass_tokens)
+        if schedule == "pingpong" and len(ready) > 1:
+            # Each rank's step is a pass of its own (split_passes checked its size).
+            self._run_interleaved(ready)
+            return True
         if len(passes) > 1:
             self._count_split(ready, len(passes))
         for peers in passes:
@@ -490,7 +603,7 @@ class FFNModelRunner:
         return True
 
     # -- async_io connectors: every rank served as its bytes arrive --------------
-    def _serve_async(self, ready) -> bool:
+    def _serve_async(self, ready, schedule: str = "join") -> bool:
         """Open a pass for the steps of ``ready`` (as _run_step cuts them) and serve the
         passes in flight until each is done or parked (_drive). True when a layer ran."""
         plain = [p for p in ready if not ubatch_of(p.control.flags)[1]]
@@ -498,7 +611,12 @@ class FFNModelRunner:
             if ubatch_of(peer.control.flags)[1]:
                 self._open(_UbatchedPass, peer, peer)
         passes = split_passes(plain, self.max_pass_tokens)
-        if len(passes) > 1:
+        if schedule == "pingpong" and len(plain) > 1:
+            # A pass per rank: _drive runs each one's layer as its input arrives, so the
+            # ranks' layers interleave (A's layer l, B's layer l, A's layer l + 1, ...).
+            passes = [[p] for p in plain]
+            self._count_pingpong(plain)
+        elif len(passes) > 1:
             self._count_split(plain, len(passes))
         for peers in passes:
             self._open(_Pass, peers[0], peers)
@@ -777,6 +895,54 @@ class FFNModelRunner:
                 transfer += t
                 compute += c
         return transfer, compute
+
+    def _run_interleaved(self, ready) -> None:
+        """Serve the steps of ``ready`` (several ranks, none micro-batched) interleaved
+        layer by layer in their order: rank A's layer l, rank B's layer l, ..., A's layer
+        l + 1. Each hand-over waits for its own rank's input only, so a rank computes its
+        attention for layer l + 1 while the FFN serves the other ranks' layer l. Captured
+        as one CUDA graph per ordered composition, keyed apart from the joined ones."""
+        key = ("pingpong", *((p.rank, p.control.num_tokens) for p in ready))
+        if self._replay(key, ready, batched=False):
+            self._count_pingpong(ready)
+            return
+        transfer, compute = self._interleaved_body(ready, capture=False)
+        self._count_pingpong(ready)
+        self._account(ready, compute, transfer, batched=False)
+        if not any(p.rank in self._lost for p in ready):
+            total = sum(p.control.num_tokens for p in ready)
+            self._maybe_capture(key, total, lambda: self._interleaved_body(ready, True))
+
+    def _interleaved_body(self, ready, capture: bool):
+        """Every layer for the steps of ``ready`` in turn, each on its own rows (its own
+        block call: a rank's FFN work is the same as when served alone). A rank lost on
+        the way is skipped from then on. Returns (transfer, compute)."""
+        from vllm.forward_context import set_forward_context
+
+        transfer = compute = 0.0
+        sync = self._sync_timing and not capture
+        for layer_idx, module in self.modules.items():
+            live = [p for p in ready if p.rank not in self._lost]
+            if not live:
+                break
+            for peer in live:
+                n = peer.control.num_tokens
+                x = torch.empty((n, self.hidden_size), dtype=self.dtype, device=self.device)
+                with set_forward_context(None, self.vllm_config, num_tokens=n):
+                    t, c = self._layer(layer_idx, module, [peer], x, [0, n], sync, capture)
+                transfer += t
+                compute += c
+        return transfer, compute
+
+    def _count_pingpong(self, ready) -> None:
+        if not self.pingpong_steps:
+            logger.info(
+                "AFD FFN role: serving the steps of attention ranks %s interleaved layer by "
+                "layer (connector_extra_config.ffn_schedule %r); logged once",
+                [p.rank for p in ready], self.schedule,
+            )
+        self.pingpong_steps += 1
+        metrics.STATS.inc("ffn_pingpong_steps")
 
     def _count_ubatched(self, rank: int, count: int) -> None:
         if not self.ubatched_steps:

@@ -43,7 +43,8 @@ attention role
     0 while it is connected).
 FFN role
     ``vllm:afd_ffn_steps_served_total``, ``vllm:afd_ffn_batched_steps_total``,
-    ``vllm:afd_ffn_ubatched_steps_total``, ``vllm:afd_ffn_straggler_splits_total``,
+    ``vllm:afd_ffn_ubatched_steps_total``, ``vllm:afd_ffn_pingpong_steps_total``,
+    ``vllm:afd_ffn_straggler_splits_total``,
     ``vllm:afd_ffn_graph_replays_total``,
     ``vllm:afd_ffn_graph_captures_total``, ``vllm:afd_ffn_graph_capture_seconds_total``,
     ``vllm:afd_ffn_step_compute_seconds`` (histogram),
@@ -103,6 +104,8 @@ COUNTERS = {
     "ffn_graph_captures": "CUDA graphs the FFN rank captured (each stalls the ranks it serves).",
     "ffn_graph_capture_seconds": "Seconds the FFN rank spent capturing CUDA graphs.",
     "ffn_ubatched_steps": "AFD steps served as micro-batches (DBO on the attention rank).",
+    "ffn_pingpong_steps": "AFD rounds that served several attention ranks' steps interleaved "
+    "layer by layer (connector_extra_config.ffn_schedule pingpong, or auto).",
     "ffn_straggler_splits": "AFD passes that went on without ranks whose layer input was "
     "late (those continued on their own, or ended at their own deadline).",
     "rejoins": "Times this attention rank reached its lost FFN rank again and re-ran the step.",
@@ -116,7 +119,7 @@ ATTENTION_COUNTERS = ("steps", "layer_exchanges", "bytes_sent", "bytes_received"
 FFN_COUNTERS = ("ffn_steps_served", "ffn_batched_steps", "ffn_idle_seconds", "bytes_sent",
                 "bytes_received", "handshake_failures", "ffn_graph_replays",
                 "ffn_graph_captures", "ffn_graph_capture_seconds", "ffn_ubatched_steps",
-                "ffn_straggler_splits")
+                "ffn_pingpong_steps", "ffn_straggler_splits")
 ATTENTION_HISTOGRAMS = ("step_transfer_seconds", "step_ffn_wait_seconds")
 FFN_HISTOGRAMS = ("ffn_step_compute_seconds", "ffn_step_transfer_seconds")
 LAYER_COUNTERS = {

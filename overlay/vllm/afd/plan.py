@@ -683,7 +683,7 @@ def calibration_from_json(data: dict, card: Card, cal: Calibration,
 
 # ------------------------------------------------------------------ one-GPU configurations
 
-ONE_GPU_MODES = ("plain", "plain_one", "afd")
+ONE_GPU_MODES = ("plain", "plain_one", "afd", "afd_pingpong")
 
 
 def one_gpu_work(m: Model, mode: str, engines: int, batch: int, context: float,
@@ -692,7 +692,9 @@ def one_gpu_work(m: Model, mode: str, engines: int, batch: int, context: float,
     ``ffn``; ``plain`` for whole engines): ``plain`` is ``engines`` replicas of batch
     ``batch`` (each reads every weight), ``plain_one`` one engine of ``engines x batch``,
     ``afd`` ``engines`` attention ranks of ``batch`` and one FFN rank whose pass joins all
-    their tokens."""
+    their tokens; ``afd_pingpong`` the same ranks, the FFN rank serving each one's step in a
+    pass of its own (connector_extra_config.ffn_schedule pingpong: every pass streams the
+    experts its tokens touch again)."""
     if mode == "plain":
         return {"plain": engines * engine_work(m, batch, context, routing)}
     if mode == "plain_one":
@@ -700,6 +702,9 @@ def one_gpu_work(m: Model, mode: str, engines: int, batch: int, context: float,
     if mode == "afd":
         att = engines * (attention_layers_work(m, batch, context) + head_work(m, batch))
         return {"attention": att, "ffn": ffn_work(m, engines * batch, 1, routing)}
+    if mode == "afd_pingpong":
+        att = engines * (attention_layers_work(m, batch, context) + head_work(m, batch))
+        return {"attention": att, "ffn": engines * ffn_work(m, batch, 1, routing)}
     raise ValueError(f"unknown mode {mode!r}: one of {ONE_GPU_MODES}")
 
 

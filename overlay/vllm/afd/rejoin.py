@@ -166,7 +166,16 @@ def run_forward(conn, forward: Callable[[], T]) -> T:
         return forward()
     conn.forwards_guarded = True
     if not conn.holds_losses():
-        return forward()
+        if not conn.checks_every_forward:
+            return forward()
+        # The pass's device work is waited for here (the GIL released) and checked:
+        # a pass that lost its FFN rank never reaches sampling; without a held re-run
+        # it ends the rank by name.
+        out = forward()
+        lost = conn.step_lost()
+        if lost is not None:
+            _give_up(conn, lost)
+        return out
     window = conn.ctx.config.rejoin_window_s
     first: str | None = None
     deadline = 0.0

@@ -35,6 +35,11 @@ def _cfg(**kw) -> AFDConfig:
         ("gloo", {"batch_window_ms": -1}, r"batch_window_ms must be a number in 0\.\.10000; got -1"),
         ("gloo", {"ffn_cuda_graph_max_count": 5000}, r"in 0\.\.4096; got 5000"),
         ("gloo", {"secret_env": ""}, r"secret_env must be a non-empty string"),
+        # a string key of fixed choices takes those only
+        ("cuda_ipc", {"ffn_schedule": "ping-pong"},
+         r"ffn_schedule must be one of 'join', 'pingpong', 'auto'; got 'ping-pong'"),
+        ("gloo", {"ffn_schedule": ""}, r"ffn_schedule must be one of 'join', 'pingpong', 'auto'; got ''"),
+        ("nixl", {"ffn_schedule": True}, r"ffn_schedule must be one of .*; got True"),
     ],
 )
 def test_spec_records_drive_validation(connector, extra, message):
@@ -48,6 +53,9 @@ def test_the_keys_a_record_declares_are_accepted_with_their_defaults():
     assert c.spec.value(c.connector_extra_config, "ipc_rejoin") is True
     assert c.spec.value(c.connector_extra_config, "ffn_hot_poll") is True  # the default
     for spec in connector_spec.all_specs():
+        for schedule in ("join", "pingpong", "auto"):  # a key of the channel: every connector takes it
+            c = _cfg(connector=spec.name, connector_extra_config={"ffn_schedule": schedule})
+            assert c.spec.value(c.connector_extra_config, "ffn_schedule") == schedule
         for key in spec.keys().values():  # every default passes its own check
             assert key.default is None or key.check(key.default) is None, (spec.name, key)
 

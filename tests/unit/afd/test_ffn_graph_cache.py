@@ -32,6 +32,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         self.max_pass_tokens = 64
         self.graphs, self._graph_seen, self._graph_gen = {}, {}, -1
         self.graph_replays = self.steps_served = self.batched_steps = self.ubatched_steps = 0
+        self.schedule, self.pingpong_steps = "join", 0
         self.connector = type("C", (), {"generation": 0})()
         self.dtype, self.hidden_size, self.modules, self.gates = torch.float32, 4, {0: None}, {}
         self.eager, self.captured = [], []
@@ -47,6 +48,11 @@ class _Runner(ffn_runner.FFNModelRunner):
         while len(peers) < count:  # the TCP way: later controls arrive on the way
             peers.append(self._next_ubatch(first, len(peers), count))
         self.eager.append(("ubatched", *(p.control.num_tokens for p in peers)))
+        return 0.0, 0.0
+
+    def _interleaved_body(self, ready, capture):
+        assert not capture
+        self.eager.append(("pingpong", *((p.rank, p.control.num_tokens) for p in ready)))
         return 0.0, 0.0
 
     def _capture(self, key, body):
@@ -143,6 +149,22 @@ def test_key_is_the_ranks_and_their_token_counts():
         r._run_step(_step(*pairs))
     assert r.captured == [((0, 4), (1, 4))]
     assert r.batched_steps == 2
+
+
+def test_interleaved_steps_are_keyed_by_their_ordered_ranks_apart_from_joined_ones():
+    # ffn_schedule pingpong: the ranks' steps served interleaved are one graph per ordered
+    # composition, never the joined pass's graph of the same ranks and counts.
+    r = _Runner(max_count=8)
+    r._run_step(_step((0, 4), (1, 4)))  # joined (the default schedule)
+    r.schedule = "pingpong"
+    for pairs in [((0, 4), (1, 4)), ((1, 4), (0, 4)), ((0, 4), (1, 4)), ((0, 4), (1, 4))]:
+        r._run_step(_step(*pairs))
+    key = ("pingpong", (0, 4), (1, 4))
+    assert r.eager == [((0, 4), (1, 4)), key, ("pingpong", (1, 4), (0, 4)), key]
+    assert r.captured == [key] and r.graphs[key].replays == 1
+    assert (r.pingpong_steps, r.batched_steps, r.steps_served) == (4, 1, 5)
+    r._run_step(_step((0, 4)))  # one rank ready alone: a plain pass
+    assert r.eager[-1] == ((0, 4),) and r.pingpong_steps == 4
 
 
 def test_large_steps_and_a_full_cache_stay_eager():

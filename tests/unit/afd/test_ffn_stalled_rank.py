@@ -24,6 +24,7 @@ from ffn_fakes import FakeRunner, no_forward_context  # noqa: F401 - the fixture
 from tcp_lib import HIDDEN, Bg, wait_until
 
 from serve_util import free_port
+from vllm.afd import ffn_runner
 from vllm.afd import protocol as P
 from vllm.distributed.afd import tcp
 from vllm.distributed.afd.channel import tensor_bytes
@@ -40,8 +41,8 @@ class Serving:
     """FFNModelRunner's serve loop (its _serve, in a thread) with LAYERS fake blocks,
     layer i computing x * 10 + i."""
 
-    def __init__(self, ffn: tcp.TCPFFNConnector, hidden: int = HIDDEN):
-        r = self.runner = FakeRunner(ffn, LAYERS, hidden)
+    def __init__(self, ffn: tcp.TCPFFNConnector, hidden: int = HIDDEN, schedule: str = "join"):
+        r = self.runner = FakeRunner(ffn, LAYERS, hidden, schedule=schedule)
         r._stop, r._profile_lock, r._profile_local = threading.Event(), threading.Lock(), []
         r.group, r.error, r.rank, r.on_fatal = None, None, 0, []
         self.thread = threading.Thread(target=r._serve, daemon=True)
@@ -148,6 +149,37 @@ def test_a_rank_stopped_mid_frame_in_a_shared_pass_does_not_stall_the_other(net,
     assert healthy_steps(healthy, 10) < STALL_BOUND_S and healthy.is_up()
     assert s.runner.peers_lost == 1
     wait_until(lambda: not s.runner._tasks, what="the stopped rank's pass forgotten")
+
+
+def test_interleaved_ranks_one_stopped_mid_frame_the_other_is_not_held(net, serving):
+    """ffn_schedule pingpong: each rank's step is a pass of its own, interleaved layer by
+    layer; the stopped rank's pass waits alone, and the other's layers of the same round go
+    on at once, without the STRAGGLER_S wait of a shared pass before its split. Its next
+    step waits, once, until the stopped rank's pass parks (STRAGGLER_S after its input was
+    posted), as the serve loop takes new steps only then."""
+    ffn, healthy, stopped = ranks(net)
+    healthy.begin_step(1, 2)
+    stopped.begin_step(1, 3)
+    s = serving(ffn, schedule="pingpong")  # both steps ready at once: one round
+    x0, x1 = torch.randn(2, HIDDEN), torch.randn(3, HIDDEN)
+    healthy.send(x0)
+    stopped.send(x1)
+    assert torch.equal(healthy.recv(torch.empty(2, HIDDEN)), x0 * 10)
+    assert torch.equal(stopped.recv(torch.empty(3, HIDDEN)), x1 * 10)
+    last_byte = stop_mid_frame(stopped, torch.randn(3, HIDDEN))  # layer 1, half of it
+    rest = max(layer(healthy, torch.randn(2, HIDDEN), i) for i in range(1, LAYERS))
+    healthy.end_step()
+    worst = healthy_steps(healthy, 2, count=2)
+    print(f"healthy rank: rest of the round's step {rest:.3f} s a layer at most, "
+          f"longest layer round trip after {worst:.3f} s")
+    assert rest < ffn_runner.STRAGGLER_S  # a shared pass waits STRAGGLER_S here
+    assert worst < STALL_BOUND_S
+    assert s.runner.straggler_splits == 0 and s.runner.batched_steps == 0
+    assert s.runner.pingpong_steps >= 1
+    took, why = dropped_at(ffn, 1, last_byte)
+    assert_own_deadline(took, why, "did not answer within the timeout")
+    wait_until(lambda: s.runner.peers_lost == 1 and not s.runner._tasks,
+               what="the stopped rank's pass ended")  # fmt: skip
 
 
 def test_a_rank_stopped_mid_control_frame_between_steps_does_not_stall_the_other(

@@ -132,7 +132,8 @@ def test_moe_layer_agrees_with_moe_crossover():
 
 def test_one_gpu_bounds_of_the_m_to_n_configurations():
     """The three ways of serving 2 x 64 sequences on one H100: one engine of 128 reads the
-    weights once, two replicas twice, AFD 2A1F the attention twice and the FFN once."""
+    weights once, two replicas twice, AFD 2A1F the attention twice and the FFN once (twice
+    with the ranks' steps interleaved, ffn_schedule pingpong)."""
     m = P.load_model("deepseek-v2-lite", layers=14)
     h100 = P.CARDS["h100"]
     ctx = 64 + 48
@@ -150,9 +151,14 @@ def test_one_gpu_bounds_of_the_m_to_n_configurations():
     # the second replica reads every weight again; AFD's second rank its attention and head
     assert reps.bytes - one.bytes == pytest.approx(weights)
     assert afd.bytes - one.bytes == pytest.approx(attn + head)
+    # ffn_schedule pingpong: each rank's step is a pass of its own, reading the FFN's
+    # weights again (64 balanced tokens touch every expert): a replica's bytes, nearly
+    pingpong = P.step_bound(m, h100, "afd_pingpong", 2, 64, ctx, "balanced")
+    assert pingpong.bytes - afd.bytes == pytest.approx(experts + shared_router + dense)
+    assert pingpong.bytes == pytest.approx(reps.bytes, rel=0.01)
     # the rest of one engine's bytes: activations, logits, embedding rows (under 2%)
     assert 0 < one.bytes - weights - kv < 0.02 * one.bytes
-    for b in (one, reps, afd):
+    for b in (one, reps, afd, pingpong):
         assert b.limit == "memory" and b.tokens == 128
         assert b.step_s == pytest.approx(b.bytes / 3.35e12)
         assert b.tok_s == pytest.approx(128 / b.step_s)

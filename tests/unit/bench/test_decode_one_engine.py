@@ -32,6 +32,32 @@ def test_default_modes_with_several_engines_include_the_one_engine():
     assert decode.check_sweep(decode.build_parser(), a)[2] == ["plain", "plain_one", "afd"]
 
 
+def test_every_afd_mode_runs_once_per_ffn_schedule():
+    a = args("--engines", "2", "--modes", "plain,plain_one,afd,afd_dbo",
+             "--ffn-schedule", "join,pingpong", "--connector-extra", '{"ffn_hot_poll": false}')
+    modes = decode.check_sweep(decode.build_parser(), a)[2]
+    assert modes == ["plain", "plain_one", "afd", "afd_pingpong", "afd_dbo", "afd_dbo_pingpong"]
+    assert [decode.split_mode(m) for m in modes[2:]] == [
+        ("afd", "join"), ("afd", "pingpong"), ("afd_dbo", "join"), ("afd_dbo", "pingpong")]
+    assert decode.connector_extra(a, "afd") == {"ffn_hot_poll": False}
+    assert decode.connector_extra(a, "afd_dbo_pingpong") == {"ffn_hot_poll": False,
+                                                             "ffn_schedule": "pingpong"}
+    assert decode.check_sweep(decode.build_parser(), args("--ffn-schedule", "pingpong"))[2] \
+        == ["plain", "afd_pingpong"]
+    assert decode.split_mode("afd_auto") == ("afd", "auto")
+    # the benchmark's schedules are the configuration's
+    from vllm.afd.connector_spec import FFN_SCHEDULES
+    assert decode.FFN_SCHEDULES == FFN_SCHEDULES
+
+
+def test_the_ffn_line_counts_joined_passes_and_interleaved_rounds():
+    line = decode.ffn_line({"steps_served": 300, "batched_steps": 0, "pingpong_steps": 280,
+                            "graphs": 4, "graph_replays": 290})
+    assert line == ("FFN passes 300, of them joining several attention ranks 0; rounds "
+                    "interleaving several ranks (pingpong) 280; FFN graphs captured 4, "
+                    "replayed 290 times")
+
+
 def test_plain_one_is_one_engine_of_all_the_sequences_and_their_kv_cache():
     a = args("--engines", "3", "--kv-cache-memory-bytes", "1000")
     common = decode.common_args(a)
@@ -108,10 +134,12 @@ def test_bounds_beside_each_figure(tmp_path):
     card, why = decode.roofline_card(a, [{"device": "NVIDIA H100 80GB HBM3"}])
     assert card is plan.CARDS["h100"], why
     rows = [{"batch": 64, "routing": "balanced", "mode": m, "tpot_s": t}
-            for m, t in (("plain", 12.12e-3), ("plain_one", 7.09e-3), ("afd", 8.23e-3))]
+            for m, t in (("plain", 12.12e-3), ("plain_one", 7.09e-3), ("afd", 8.23e-3),
+                         ("afd_pingpong", 10e-3), ("afd_auto", 9e-3))]
     decode.add_bounds(a, rows, model, card)
+    assert "bound_s" not in rows.pop()  # auto: joined and interleaved rounds, no one bound
     by = {r["mode"]: r for r in rows}
-    for mode, r in by.items():
+    for mode, r in by.items():  # afd_pingpong: the FFN's weights read once per rank
         b = plan.step_bound(model, card, mode, 2, 64, 64 + 48, "balanced")
         assert r["bound_s"] == pytest.approx(b.step_s)
         assert r["of_bound"] == pytest.approx(b.step_s / r["tpot_s"])
@@ -155,6 +183,10 @@ def test_table_prints_both_ratios_and_the_bound(capsys):
     (["--modes", "plain,plain_one"], "plain_one needs --engines 2 or more"),
     (["--card", "tpu"], "--card tpu: one of auto"),
     (["--hbm-tbs", "0"], "--hbm-tbs and --tflops must be positive"),
+    (["--ffn-schedule", "join,pp"], "--ffn-schedule join,pp: a comma list of distinct values "
+                                    "of join, pingpong, auto"),
+    (["--connector-extra", '{"ffn_schedule": "pingpong"}'], "give the FFN schedule with "
+                                                            "--ffn-schedule"),
 ])  # fmt: skip
 def test_refusals(tmp_path, argv, message):
     r = subprocess.run([sys.executable, str(DECODE), "--model", str(tmp_path), *argv],

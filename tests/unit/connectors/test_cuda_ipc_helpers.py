@@ -41,9 +41,13 @@ def test_graph_and_dbo_capability_agree_with_the_spec_records():
 
     assert {"gloo", "nccl", "cuda_ipc"} <= set(base.connector_names())
     for name in base.connector_names():
-        for cls in base.connector_classes(name):
-            assert cls.graph_capable == SPECS[name].graph_capable, (name, cls)
+        attention, ffn = base.connector_classes(name)
+        assert attention.graph_capable == SPECS[name].graph_capable, name
+        assert ffn.graph_capable == SPECS[name].ffn_graph_capable, name
+        for cls in (attention, ffn):
             assert cls.dbo_capable == SPECS[name].dbo_capable, (name, cls)
+    # nixl: graphs on the attention side only (the FFN host loop takes part in each hand-over)
+    assert SPECS["nixl"].graph_capable and not SPECS["nixl"].ffn_graph_capable
     # classes that disagree with the record they register under are refused
     with pytest.raises(ValueError, match=r"graph_capable=True but its spec record .* says False"):
         base.register_connector("gloo", ipc.IPCAttentionConnector, ipc.IPCFFNConnector)

@@ -320,9 +320,11 @@ class FakeConn:
     """A cuda_ipc attention connector as run_forward sees it: ``losses`` says, for
     each pass, why the FFN rank was lost during it (None: a clean pass)."""
 
-    def __init__(self, losses, window=5.0, rejoin_on=True, reconnect_fails=False):
+    def __init__(self, losses, window=5.0, rejoin_on=True, reconnect_fails=False,
+                 checks_every_forward=False):  # fmt: skip
         self.ctx = _ctx("attention", rejoin_timeout_s=window)
         self.reruns_forward = rejoin_on
+        self.checks_every_forward = checks_every_forward  # nixl's device path: True
         self.forwards_guarded = False
         self.losses = list(losses)
         self.reconnects: list[float] = []
@@ -407,6 +409,19 @@ def test_an_ffn_rank_that_does_not_come_back_fails_the_step_naming_the_loss(monk
 def test_without_the_opt_in_or_a_window_the_forward_runs_once_unchecked(conn):
     forward, calls = _forward(["out"])
     assert rejoin.run_forward(conn, forward) == "out" and calls == [0]
+
+
+def test_a_connector_that_checks_every_forward_ends_a_lost_pass_by_name_without_a_window():
+    """nixl's device path (checks_every_forward) with rejoin_timeout_s 0: each forward is
+    waited for and checked; a clean one is returned, one that lost its FFN rank raises the
+    loss by name instead of reaching sampling with what its released waits left."""
+    conn = FakeConn([None, "AFD peer FFN rank 0 did not answer within the timeout (nixl)"],
+                    window=0, checks_every_forward=True)  # fmt: skip
+    forward, calls = _forward(["clean", "garbage"])
+    assert rejoin.run_forward(conn, forward) == "clean" and calls == [0]
+    with pytest.raises(AFDPeerError, match="did not answer within the timeout"):
+        rejoin.run_forward(conn, forward)
+    assert calls == [0, 1] and conn.reconnects == []
 
 
 def test_a_graph_capture_runs_the_forward_once_unchecked(monkeypatch):

@@ -55,6 +55,10 @@ class AttentionConnector(ABC):
     # forwards_guarded while it does.
     reruns_forward = False
     forwards_guarded = False
+    # With reruns_forward: every forward is waited for and checked (step_lost) even where
+    # a loss is not held (a host thread of this process serves the pass's exchanges,
+    # nixl's proxy: nothing else may block on the pass meanwhile).
+    checks_every_forward = False
     # The FFN rank this attention rank exchanges with (another one after a failover).
     ffn_rank = 0
 
@@ -280,11 +284,12 @@ def check_capabilities(spec: connector_spec.ConnectorSpec, attention_cls, ffn_cl
     the attention role may keep CUDA graphs or micro-batch; the roles read the classes'
     graph_capable / dbo_capable. Refuse classes that disagree with their record instead of
     letting one side run steps the other cannot serve."""
-    for attr, declared in (
-        ("graph_capable", spec.graph_capable),
-        ("dbo_capable", spec.dbo_capable),
+    for attr, declared, classes in (
+        ("graph_capable", spec.graph_capable, (attention_cls,)),
+        ("graph_capable", spec.ffn_graph_capable, (ffn_cls,)),
+        ("dbo_capable", spec.dbo_capable, (attention_cls, ffn_cls)),
     ):
-        for cls in (attention_cls, ffn_cls):
+        for cls in classes:
             has = bool(getattr(cls, attr, False))
             if has != declared:
                 raise ValueError(

@@ -39,6 +39,11 @@ class Link:
     timeout: float
     rank: int  # the attention rank of the session
     ffn_rank: int  # the FFN rank of the session
+    # Attention side, for a plane that carries the step control (``carries_control``):
+    # control(num_tokens, flags) sends a step's control message over this session's
+    # connection (any thread); lost(why) reports the session failed in the plane.
+    control: Callable[[int, int], None] | None = None
+    lost: Callable[[str], None] | None = None
 
 
 class AttentionPlane(ABC):
@@ -47,6 +52,13 @@ class AttentionPlane(ABC):
     # Capabilities, declared (the spec record says the same; the registry checks).
     graph_capable = False
     dbo_capable = False
+    # The exchanges are device work that a lost FFN rank leaves unfinished: the forward
+    # is re-run whole once the rank is back (vllm.afd.rejoin.run_forward; ``step_lost``
+    # says whether a forward was clean).
+    reruns_forward = False
+    # The step's control message is device work too (``begin_step``), sent on by the
+    # plane through ``Link.control``; else the channel sends it from the host.
+    carries_control = False
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -74,15 +86,29 @@ class AttentionPlane(ABC):
         receives). Idempotent."""
         self.link = None
 
+    def lost(self, why: str) -> None:
+        """The channel found the FFN rank lost (any thread): release what waits on it."""
+        return None
+
+    def begin_step(self, num_tokens: int, flags: int) -> None:
+        """``carries_control``: enqueue the step's control message."""
+        raise NotImplementedError(f"the {type(self).__name__} does not carry the control")
+
+    def step_lost(self) -> str | None:
+        """``reruns_forward``: after a forward, why its exchanges failed (None: clean)."""
+        return None
+
+    # ``lane``: the micro-batch of the message (0 outside DBO); a plane may keep the
+    # lanes apart (their own slots and sequence numbers) or ignore it (a byte stream).
     @abstractmethod
-    def send(self, x: torch.Tensor) -> None:
+    def send(self, x: torch.Tensor, lane: int = 0) -> None:
         """One layer's FFN input (contiguous [num_tokens, width])."""
 
     @abstractmethod
-    def recv(self, out: torch.Tensor) -> torch.Tensor:
+    def recv(self, out: torch.Tensor, lane: int = 0) -> torch.Tensor:
         """One layer's FFN output into ``out``."""
 
-    def recv_start(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def recv_start(self, out: torch.Tensor, lane: int = 0) -> Callable[[], torch.Tensor]:
         """DBO: start receiving into ``out``; the returned ``wait()`` gives it."""
         raise NotImplementedError(f"the {type(self).__name__} does not serve micro-batches")
 
@@ -113,11 +139,12 @@ class FFNPlane(ABC):
         return None
 
     @abstractmethod
-    def recv(self, link: Link, out: torch.Tensor) -> None:
-        """This session's layer input into ``out``, within ``link.timeout``."""
+    def recv(self, link: Link, out: torch.Tensor, lane: int = 0) -> None:
+        """This session's layer input into ``out``, within ``link.timeout`` (``lane``:
+        the micro-batch, from the step's control message)."""
 
     @abstractmethod
-    def send(self, link: Link, y: torch.Tensor) -> None:
+    def send(self, link: Link, y: torch.Tensor, lane: int = 0) -> None:
         """This session's layer output."""
 
     def close(self) -> None:
@@ -144,16 +171,16 @@ class SocketAttentionPlane(AttentionPlane):
             raise AFDPeerError("AFD attention rank has no FFN session")
         return self.link
 
-    def send(self, x: torch.Tensor) -> None:
+    def send(self, x: torch.Tensor, lane: int = 0) -> None:
         link = self._live()
         send_tensor(link.sock, x, link.timeout, link.peer)
 
-    def recv(self, out: torch.Tensor) -> torch.Tensor:
+    def recv(self, out: torch.Tensor, lane: int = 0) -> torch.Tensor:
         link = self._live()
         recv_tensor(link.sock, out, time.monotonic() + link.timeout, link.peer)
         return out
 
-    def recv_start(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def recv_start(self, out: torch.Tensor, lane: int = 0) -> Callable[[], torch.Tensor]:
         """DBO: a micro-batch starts its receive before it yields, so the FFN rank's reply
         drains while the other micro-batch sends (with both sides blocked in sends of
         messages larger than the socket buffers, neither would read)."""
@@ -197,8 +224,8 @@ class SocketFFNPlane(FFNPlane):
     dbo_capable = True
     in_channel = True
 
-    def recv(self, link: Link, out: torch.Tensor) -> None:
+    def recv(self, link: Link, out: torch.Tensor, lane: int = 0) -> None:
         recv_tensor(link.sock, out, time.monotonic() + link.timeout, link.peer)
 
-    def send(self, link: Link, y: torch.Tensor) -> None:
+    def send(self, link: Link, y: torch.Tensor, lane: int = 0) -> None:
         send_tensor(link.sock, y, link.timeout, link.peer)

@@ -66,6 +66,7 @@ from vllm.afd.protocol import (
     proof_matches,
     shown,
     ubatch_flags,
+    ubatch_of,
 )
 from vllm.config.afd import join_address
 from vllm.distributed.afd.base import (
@@ -165,7 +166,6 @@ class TCPAttentionConnector(AttentionConnector):
     default the socket plane, connector ``gloo``)."""
 
     dbo_capable = True
-    can_rejoin = True
 
     def __init__(self, ctx: ConnectorContext, plane: AttentionPlane | None = None):
         super().__init__(ctx)
@@ -173,6 +173,13 @@ class TCPAttentionConnector(AttentionConnector):
             self.graph_capable = plane.graph_capable
             self.dbo_capable = plane.dbo_capable
         self.plane = plane if plane is not None else SocketAttentionPlane(ctx)
+        # A plane of device work (nixl on CUDA): a lost FFN rank is rejoined by re-running
+        # the forward whole (vllm.afd.rejoin.run_forward), only on the forward's thread.
+        self.reruns_forward = self.plane.reruns_forward
+        self.checks_every_forward = self.plane.reruns_forward
+        # The lane (micro-batch) of this thread's messages, set by its begin_step.
+        self._lanes = threading.local()
+        self._control_step = 0  # step ids of the control messages the plane sends on
         cfg = ctx.config
         # The FFN rank that serves this rank (its home); after a loss, with
         # connector_extra_config.ffn_failover, another replica may serve it meanwhile.
@@ -248,7 +255,46 @@ class TCPAttentionConnector(AttentionConnector):
                 raise
 
     def _link(self, sock: socket.socket) -> Link:
-        return Link(sock, self.peer, self.timeout, self.ctx.rank, self.ffn_rank)
+        return Link(sock, self.peer, self.timeout, self.ctx.rank, self.ffn_rank,
+                    control=lambda n, flags: self._send_control(sock, n, flags),
+                    lost=self._plane_lost)  # fmt: skip
+
+    def _send_control(self, sock: socket.socket, num_tokens: int, flags: int) -> None:
+        """A step's control message that the plane sends on (``carries_control``), on the
+        session's own connection only."""
+        with self._lock:
+            if self.sock is not sock or self._dead is not None:
+                raise AFDPeerError(f"AFD session with {self.peer} ended")
+            if not ubatch_of(flags)[0]:
+                self._control_step += 1
+            send_all(sock, Control(MSG_STEP, self._control_step, num_tokens, flags).pack(),
+                     self.timeout, self.peer)  # fmt: skip
+
+    def _plane_lost(self, why: str) -> None:
+        """The plane found the session failed (a device wait that timed out, a transfer
+        that failed): the FFN rank is lost as if its connection had closed."""
+        with self._lock:
+            self._note_lost(why)
+
+    # -- forwards re-run whole (planes with reruns_forward) ----------------------------
+    @property
+    def can_rejoin(self) -> bool:
+        """The layer-level rejoin of vllm.afd.rejoin; with ``reruns_forward`` only where
+        losses are held (a forward is then re-run whole instead)."""
+        return self.holds_losses() if self.reruns_forward else True
+
+    def holds_losses(self) -> bool:
+        return (self.reruns_forward and self.forwards_guarded
+                and self.ctx.config.rejoin_window_s > 0)  # fmt: skip
+
+    def step_lost(self) -> str | None:
+        """After a forward (its device work waited for): why the FFN rank was lost during
+        it (the channel's loss, or the plane's: a wait that timed out), None when clean."""
+        lost = self.plane.step_lost()
+        if lost is not None:
+            with self._lock:
+                self._note_lost(lost)
+        return self._dead
 
     def _attach(self, sock: socket.socket, offer: object) -> None:
         """Take ``sock`` (handshaken, the plane's ``offer`` made on it) as the session,
@@ -356,7 +402,8 @@ class TCPAttentionConnector(AttentionConnector):
         """Served by another replica (failover): between steps, try the home FFN
         rank and move back to it once it takes this rank again."""
         now = time.monotonic()
-        if self.ffn_rank == self.home or now < self._next_home_try:
+        if self.ffn_rank == self.home or now < self._next_home_try or self.reruns_forward:
+            # (a plane of device work moves only between forwards, on their thread)
             return
         self._next_home_try = now + self._home_wait
         with self._rejoin_lock:
@@ -418,6 +465,8 @@ class TCPAttentionConnector(AttentionConnector):
         """The heartbeat noticed the loss between steps: reconnect now (within
         rejoin_timeout_s of the loss) so that a restarted FFN rank finds its
         attention rank at once; a step that comes meanwhile waits for this."""
+        if self.reruns_forward:
+            return  # only the forward's thread rejoins (run_forward), between forwards
         lost = self._lost_at
         window = self.ctx.config.rejoin_window_s
         if not self.can_rejoin or window <= 0 or lost is None or self._gave_up is not None:
@@ -622,6 +671,12 @@ class TCPAttentionConnector(AttentionConnector):
         if self._dead is None:
             self._dead = why
             logger.error("AFD: %s", why)
+            self.plane.lost(why)  # device waits on the peer end now
+            if self.plane.reruns_forward and not self.holds_losses():
+                # A pass of device work cannot fail part-way: without a held re-run the
+                # engine ends (as a lost peer without rejoin does), naming the loss.
+                failure.record("attention", self.ctx.rank, why)
+                self.on_failure(why)
 
     def _fail(self, e: BaseException, what: str) -> None:
         if self._dead is None:
@@ -652,6 +707,14 @@ class TCPAttentionConnector(AttentionConnector):
         (every micro-batch sends its own control message here, so the token
         counts of the others, ``ubatch_tokens``, are not needed). Refused while
         another step is open (end_step not called: a step failed part-way)."""
+        self._lanes.lane = ubatch[0] if ubatch is not None else 0
+        if self.plane.carries_control:  # device work, sent on by the plane
+            self._check()
+            flags = ubatch_flags(*ubatch) if ubatch is not None else 0
+            with self._lock:
+                self._open(step_id, ubatch)
+            self.plane.begin_step(num_tokens, flags)
+            return
         with self._lock:
             sock = self._check()
             with self._fatal("begin_step"):
@@ -677,15 +740,18 @@ class TCPAttentionConnector(AttentionConnector):
             "that step fail part-way?)"
         )
 
+    def _lane(self) -> int:
+        return getattr(self._lanes, "lane", 0)
+
     def send(self, x: torch.Tensor) -> None:
         self._check()
         with self._fatal("send"):
-            self.plane.send(x)
+            self.plane.send(x, self._lane())
 
     def recv(self, out: torch.Tensor) -> torch.Tensor:
         self._check()
         with self._fatal("recv"):
-            self.plane.recv(out)
+            self.plane.recv(out, self._lane())
         return out
 
     def recv_start(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -693,7 +759,7 @@ class TCPAttentionConnector(AttentionConnector):
         before it; the returned ``wait()`` gives it (bounded by timeout_s)."""
         self._check()
         with self._fatal("recv_start"):
-            wait_plane = self.plane.recv_start(out)
+            wait_plane = self.plane.recv_start(out, self._lane())
 
         def wait() -> torch.Tensor:
             try:
@@ -1478,7 +1544,7 @@ class TCPFFNConnector(FFNConnector):
         instead): posted on the channel's connection, or the data plane's receive."""
         p = self._peer(peer)
         if not self.async_io:
-            self.plane.recv(self._link(p), out)
+            self.plane.recv(self._link(p), out, ubatch_of(peer.control.flags)[0])
             p.last_seen = time.monotonic()
             return
         self.post_recv(peer, out)
@@ -1489,7 +1555,7 @@ class TCPFFNConnector(FFNConnector):
         """This peer's layer output, until its socket took all of it (or the plane's)."""
         p = self._peer(peer)
         if not self.async_io:
-            self.plane.send(self._link(p), y)
+            self.plane.send(self._link(p), y, ubatch_of(peer.control.flags)[0])
             return
         self.post_send(peer, y)
         self._wait(p, lambda: not p.tx)
