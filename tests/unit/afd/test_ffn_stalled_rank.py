@@ -386,3 +386,27 @@ def test_nixl_a_rank_stopped_in_its_micro_batched_step_does_not_stall_the_other(
     wait_until(lambda: s.runner.peers_lost == 1 and not s.runner._tasks,
                what="the runner's pass of rank 1 ended")  # fmt: skip
     assert s.runner.ubatched_steps == 2  # the healthy rank's, served whole
+
+
+def test_nixl_a_rank_that_ends_its_session_mid_step_is_dropped_at_once(net, serving):
+    """Rank 1 fails part-way through a step and shuts its connection down (as a failed step
+    or a failure its plane found does): the FFN rank, waiting for its next layer input (a
+    notification, nothing on the socket), sees the EOF and ends the session at once, not
+    at its deadline; rank 0 is served meanwhile and after."""
+    ffn, healthy, stopped = nixl_ranks(net)
+    stopped.begin_step(1, 3)
+    s = serving(ffn)
+    x = torch.randn(3, HIDDEN)
+    stopped.send(x)
+    assert torch.equal(stopped.recv(torch.empty(3, HIDDEN)), x * 10)
+    time.sleep(0.1)  # the FFN rank waits for rank 1's layer 1 input
+    closed = time.monotonic()
+    with stopped._lock:
+        stopped._fail(P.AFDPeerError("the data plane failed"), "a test")
+    took, why = dropped_at(ffn, 1, closed)
+    print(f"rank 1 dropped {took:.3f} s after it shut its connection down: {why}")
+    assert took < STALL_BOUND_S
+    assert "attention rank 1" in why and "closed the connection" in why
+    assert healthy_steps(healthy, 1) < STALL_BOUND_S
+    wait_until(lambda: s.runner.peers_lost == 1 and not s.runner._tasks,
+               what="the runner's pass of rank 1 ended")  # fmt: skip

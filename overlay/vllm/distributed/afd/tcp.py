@@ -829,6 +829,7 @@ class TCPFFNConnector(FFNConnector):
         self.plane = plane if plane is not None else SocketFFNPlane(ctx)
         self.async_io = type(self).async_io and (self.plane.in_channel or self.plane.polled)
         self._plane_moved = time.monotonic()  # a polled plane's last post or arrival
+        self._unread: set[int] = set()  # ids of peers with bytes not yet wanted (_watch_eof)
         cfg = ctx.config
         self.batch_window = float(cfg.connector_extra_config.get("batch_window_ms", 5.0)) / 1e3
         self.expected = set(cfg.attention_ranks_of(ctx.rank))
@@ -1304,8 +1305,13 @@ class TCPFFNConnector(FFNConnector):
         between = only is None
         wants = [(p.sock, p.reading(between) is not None, bool(p.tx)) for p in peers]
         if self.plane.polled and self._plane_owed(peers):
+            wants = [(sock, read or self._watch_eof(p, between), write)
+                     for p, (sock, read, write) in zip(peers, wants)]  # fmt: skip
             ready = self._poll_capped(wants, max(0.0, wake - now))
             event = self._poll_plane(peers)
+            for p, (can_read, _) in zip(peers, ready):
+                if can_read and p.reading(between) is None and self.peers.get(p.rank) is p:
+                    event |= self._peek_eof(p)
         else:
             ready = poll_io(wants, max(0.0, wake - now))
             event = False
@@ -1416,6 +1422,37 @@ class TCPFFNConnector(FFNConnector):
         """A message or a send of the polled plane is outstanding for one of ``peers``."""
         return any(p.sends or any(m.check is not None and not m.arrived for m in p.rx)
                    for p in peers)  # fmt: skip
+
+    def _watch_eof(self, p: Peer, between: bool) -> bool:
+        """While ``p`` owes only messages of the polled plane its socket is not read (a
+        frame there belongs to later); watched for EOF or an error all the same (the rank
+        ended its session: a failed step shuts its connection down), unless bytes of a
+        frame wait there unread."""
+        if p.reading(between) is not None:
+            self._unread.discard(id(p))
+            return False
+        return bool(p.rx) and id(p) not in self._unread
+
+    def _peek_eof(self, p: Peer) -> bool:
+        """The socket of ``p`` is readable while none of its bytes are wanted: EOF or an
+        error loses the session now (True when it had messages posted); bytes of a later
+        frame are left there, and the socket unwatched until they are wanted."""
+        try:
+            data = p.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            why = f"lost AFD {p.name} during a step: {e}"
+        else:
+            if data:
+                self._unread.add(id(p))
+                return False
+            why = f"lost AFD {p.name} during a step: it closed the connection"
+        in_step = bool(p.rx)
+        self._lose(p, why)
+        if not self.survives_peer_loss:
+            raise AFDPeerError(why)
+        return in_step
 
     def _poll_capped(self, wants: list, wait: float) -> list[tuple[bool, bool]]:
         """poll_io while the polled plane has messages outstanding: its arrivals cannot be
