@@ -162,6 +162,23 @@ def readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
     return ready
 
 
+def socket_lost(sock: socket.socket) -> str | None:
+    """Why the peer's ``sock`` is gone ("connection closed" at EOF, the error
+    of a reset), None while it is open. Never blocks, and works for any
+    descriptor number (poll(2) and a non-blocking peek; select() refuses
+    descriptors >= 1024, which a process with more files open gets)."""
+    try:
+        if not readable([sock], 0):
+            return None
+        if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK):
+            return None  # data waiting, the connection is open
+        return "connection closed"
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as e:
+        return str(e)
+
+
 def poll_io(
     wants: list[tuple[socket.socket, bool, bool]], timeout: float
 ) -> list[tuple[bool, bool]]:
