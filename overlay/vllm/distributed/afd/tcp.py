@@ -287,9 +287,10 @@ class TCPAttentionConnector(AttentionConnector):
 
     def _plane_lost(self, why: str) -> None:
         """The plane found the session failed (a device wait that timed out, a transfer
-        that failed): the FFN rank is lost as if its connection had closed."""
+        that failed): the FFN rank is lost as if its connection had closed, and the
+        connection is shut down (the FFN rank ends the session at once)."""
         with self._lock:
-            self._note_lost(why)
+            self._fail(AFDPeerError(why), "the data plane")
 
     # -- forwards re-run whole (planes with reruns_forward) ----------------------------
     @property
@@ -317,7 +318,7 @@ class TCPAttentionConnector(AttentionConnector):
                 self._hold(lost)
         elif lost is not None:
             with self._lock:
-                self._note_lost(lost)
+                self._fail(AFDPeerError(lost), "the data plane")
         return self._dead
 
     def _attach(self, sock: socket.socket, offer: object) -> None:
