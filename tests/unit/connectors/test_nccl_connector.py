@@ -302,3 +302,28 @@ def test_a_step_of_a_lost_session_fails_by_name(fake):
     ffn = _ffn(fake, port, m=1)
     with pytest.raises(AFDPeerError, match="no NCCL session"):
         ffn.plane.recv(nccl.Link(None, "attention rank 0", 1.0, 0, 0), torch.zeros(1))
+
+
+def test_a_killed_rank_s_communicator_is_aborted_while_the_serve_thread_waits(fake):
+    """The FFN host may wait on the device for a pass (a receive from a rank that died
+    holds it) and then reads no connection: the watch thread aborts the communicator of
+    a session whose peer closed or reset its connection - with a heartbeat of it still
+    unread - and no other."""
+    from tcp_lib import kill
+
+    port = free_port()
+    ffn = _ffn(fake, port)
+    att0, att1 = _attention(fake, port, 0), _attention(fake, port, 1)
+    att1._heartbeat_loop = lambda: None
+    _connect(att0, att1)
+    wait_until(lambda: set(ffn.peers) == {0, 1}, what="both ranks accepted")
+    dead, alive = _comm_of(ffn, 1), _comm_of(ffn, 0)
+    from vllm.afd.protocol import MSG_HEARTBEAT, Control
+
+    att1.sock.sendall(Control(MSG_HEARTBEAT).pack())  # unread: nobody pumps meanwhile
+    kill(att1.sock, rst=False)
+    t0 = time.monotonic()
+    wait_until(lambda: dead.destroyed, timeout=2.0, what="the dead rank's communicator aborted")
+    assert time.monotonic() - t0 < 1.0 and not alive.destroyed
+    assert set(ffn.peers) == {0, 1}  # (the channel drops it at its next read)
+

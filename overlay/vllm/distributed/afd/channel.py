@@ -179,6 +179,18 @@ def socket_lost(sock: socket.socket) -> str | None:
         return str(e)
 
 
+def peer_closed(sock: socket.socket) -> bool:
+    """The peer of ``sock`` closed its side or reset the connection, even with bytes of
+    it still unread here (poll(2)'s POLLRDHUP, Linux). Never blocks, reads nothing."""
+    fd = sock.fileno()
+    if fd < 0:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    closed = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+    return any(ev & closed for _, ev in poller.poll(0))
+
+
 def poll_io(
     wants: list[tuple[socket.socket, bool, bool]], timeout: float
 ) -> list[tuple[bool, bool]]:

@@ -27,8 +27,10 @@ its pending operations. The attention rank re-runs the interrupted forward whole
 a rejoin (``reruns_forward``; every forward is waited for and checked) while it has
 captured no CUDA graph of the exchange: a captured graph holds the communicator it was
 captured with, so once one is captured a lost FFN rank ends the engine, naming the loss.
-On the FFN side a rank lost in the middle of a pass holds that pass until the channel
-finds it lost.
+On the FFN side the serve thread may wait on the device for a pass: a watch thread
+aborts the communicator of a session whose connection the peer closed or reset (a killed
+attention server) within 0.1 s; a rank that stops (SIGSTOP) in the middle of a pass can
+hold that pass until it goes on (not bounded by ``timeout_s``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 
 from vllm.afd.protocol import MSG_STEP, AFDHandshakeError, AFDPeerError, Control
 from vllm.distributed.afd.base import ConnectorContext, register_connector
-from vllm.distributed.afd.channel import recv_hello, send_hello
+from vllm.distributed.afd.channel import peer_closed, recv_hello, send_hello
 from vllm.distributed.afd.plane import AttentionPlane, FFNPlane, Link
 from vllm.distributed.afd.tcp import channel_connectors
 from vllm.logger import init_logger
@@ -48,6 +50,8 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 FFN_MEMBER, ATTENTION_MEMBER = 0, 1
+# The FFN rank's check of its sessions' connections (a peer that closed or reset it).
+WATCH_S = 0.1
 # The step's control message on the device: [num_tokens, flags] (int64).
 CONTROL_WORDS = 2
 UNIQUE_ID_KEY = "nccl_unique_id"
@@ -247,6 +251,7 @@ class Session:
     stream: object
     pending: object = None  # the event of the control receive posted, None if none
     seq: int = 0  # control messages taken
+    sock: object = None  # the session's connection (the watch thread's check)
 
 
 class NCCLFFNPlane(FFNPlane):
@@ -263,6 +268,25 @@ class NCCLFFNPlane(FFNPlane):
         self.sessions: dict[int, Session] = {}
         self._lock = threading.Lock()
         self.generation = 0
+        self._stop = threading.Event()
+        self._watch: threading.Thread | None = None
+
+    def start(self) -> None:
+        """The watch thread: the serve thread may wait on the device for a pass (a
+        receive from a rank that died holds it), and the channel then reads no
+        connection; a session whose peer closed or reset its connection has its
+        communicator aborted here, which ends that wait."""
+        self._watch = threading.Thread(target=self._watch_loop, name="afd-nccl-watch",
+                                       daemon=True)  # fmt: skip
+        self._watch.start()
+
+    def _watch_loop(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            with self._lock:
+                sessions = list(self.sessions.values())
+            for s in sessions:
+                if s.sock is not None and peer_closed(s.sock):
+                    _abort(s.comm)
 
     def attach(self, link: Link, deadline: float) -> None:
         """A new communicator for this session (handshake thread): a rank that joins
@@ -270,7 +294,8 @@ class NCCLFFNPlane(FFNPlane):
         comm = _form(self.ctx, FFN_MEMBER, link, deadline)
         dev = indexed(self.ctx.device)
         stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
-        session = Session(comm, torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=dev), stream)
+        session = Session(comm, torch.zeros(CONTROL_WORDS, dtype=torch.int64, device=dev),
+                          stream, sock=link.sock)  # fmt: skip
         with self._lock:
             old = self.sessions.pop(link.rank, None)
             self.sessions[link.rank] = session
@@ -344,6 +369,7 @@ class NCCLFFNPlane(FFNPlane):
         self._session(link.rank, link.peer).comm.send(y.contiguous(), dst=ATTENTION_MEMBER)
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             sessions, self.sessions = list(self.sessions.values()), {}
         for s in sessions:
