@@ -644,6 +644,10 @@ class _Inbox:
         self.flags: torch.Tensor | None = None  # the attention rank's flag row
         self.recv_off = [0] * SLOTS
         self.seen = 0  # control messages consumed
+        # Per micro-batch slot, the data messages whose receive the host enqueued (its
+        # mirror of the device counter, for input_ready); stale after a graph capture,
+        # whose replays advance the device counters (read again then).
+        self.expect = [0] * SLOTS
         self.ub_tokens: list[int] = []  # token counts of the DBO step being served
         self.next_ub = 1
 
@@ -657,6 +661,10 @@ class IPCFFNPlane(FFNPlane):
     graph_capable = True
     dbo_capable = True
     polls_steps = True
+    # The host waits for a rank's layer input before it enqueues the receive (the channel's
+    # _await_input): a rank that stops mid-step is dropped at its own deadline instead of
+    # its device waits (up to timeout_s each, one per remaining layer) holding the pass.
+    polls_inputs = True
     # Micro-batch 0's control message announces every micro-batch of a DBO step
     # (recv_control answers from it without waiting; see vllm.afd.ffn_runner).
     ubatch_controls_upfront = True
@@ -674,6 +682,7 @@ class IPCFFNPlane(FFNPlane):
         # hold the device addresses of the previous session's buffers.
         self.generation = 0
         self.hot_poll = ctx.config.connector_extra_config.get("ffn_hot_poll", True)
+        self._expect_stale = False  # a graph was captured since the mirrors were read
 
     def start(self) -> None:
         dev = self.ctx.device
@@ -749,6 +758,7 @@ class IPCFFNPlane(FFNPlane):
         torch.cuda.synchronize(self.ctx.device)
         box.seen = 0
         box.recv_off = [0] * SLOTS
+        box.expect = [0] * SLOTS
 
     # -- serving -------------------------------------------------------------
     def poll_steps(self, sessions: list[tuple[int, str]]) -> list[tuple[int, object, str | None]]:
@@ -838,6 +848,33 @@ class IPCFFNPlane(FFNPlane):
         recv_message(src, out, self._counter(box, s, False), box.ctrl[0, C_DATA + s :],
                      box.ctrl[ERR_ROW], self.timeout_ns)  # fmt: skip
         box.recv_off[s] += _align(out.numel() * out.element_size())
+        box.expect[s] += 1
+        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._expect_stale = True
+
+    def input_ready(self, link: Link, lane: int = 0) -> bool:
+        """The rank's data flag of slot ``lane`` reached the message its next receive
+        waits for (one small copy of its control row on the poll stream). The host's count
+        of the receives it enqueued is read again from the device counters after a graph
+        capture (replays advance them on the device only)."""
+        box = self.inboxes[link.rank]
+        if self._expect_stale:
+            self._read_expect()
+        with torch.cuda.stream(self._side):
+            self._host[box.row].copy_(box.ctrl, non_blocking=True)
+        self._side.synchronize()
+        flag = int(self._host[box.row][0][C_DATA + lane])
+        return flag >= box.expect[lane] + 1
+
+    def _read_expect(self) -> None:
+        """Every rank's count of data messages received, from the device counters once the
+        work enqueued so far is done."""
+        dev = self.ctx.device
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        for box in self.inboxes.values():
+            box.expect = [int(self._counter(box, s, False)[0]) for s in range(SLOTS)]
+        self._expect_stale = False
 
     def send(self, link: Link, y: torch.Tensor, lane: int = 0) -> None:
         box = self.inboxes[link.rank]

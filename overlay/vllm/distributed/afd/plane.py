@@ -24,7 +24,9 @@ watchdog thread: ``probe``, ``hold``), ``open_step`` (a step's control with its
 micro-batches' token counts), ``rejoins`` and ``checks_every_forward`` (the rejoin of
 vllm.afd.rejoin), ``shares_device``; on the FFN side ``polls_steps`` (the step control
 comes by the plane: ``poll_steps``), ``ubatch_controls_upfront`` (``recv_control``),
-``start``, ``release`` (a failed session's device waits end now) and ``generation``.
+``start``, ``release`` (a failed session's device waits end now), ``generation`` and
+``polls_inputs`` (``input_ready``: the host waits for a rank's layer input, with its own
+deadline, before it enqueues the receive).
 """
 
 from __future__ import annotations
@@ -248,6 +250,17 @@ class FFNPlane(ABC):
         now the device work that waits on it (before the channel drops it), so that the
         other ranks' passes are not held."""
         return None
+
+    # The host can tell whether a session's next layer input has arrived before it
+    # enqueues the receive (``input_ready``): the channel then waits for it on the host,
+    # with the rank's own deadline, and drops a rank whose input does not come instead of
+    # enqueueing a device wait that would hold the other ranks of the pass.
+    polls_inputs = False
+
+    def input_ready(self, link: Link, lane: int = 0) -> bool:
+        """``polls_inputs``: the session's next layer input of micro-batch ``lane`` has
+        arrived (its receive, enqueued now, waits for nothing). Never waits."""
+        raise NotImplementedError(f"the {type(self).__name__} cannot poll its inputs")
 
 
 # ------------------------------------------------------------------ sockets

@@ -1717,15 +1717,42 @@ class TCPFFNConnector(FFNConnector):
 
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
         """This peer's layer input, waiting for it alone (with async_io the runner posts
-        instead): posted on the channel's connection, or the data plane's receive."""
+        instead): posted on the channel's connection, or the data plane's receive (with
+        ``FFNPlane.polls_inputs``, outside a CUDA graph capture, once the input arrived:
+        ``_await_input``)."""
         p = self._peer(peer)
         if not self.async_io:
-            self.plane.recv(self._link(p), out, ubatch_of(peer.control.flags)[0])
+            lane = ubatch_of(peer.control.flags)[0]
+            if self.plane.polls_inputs and not _capturing(out):
+                self._await_input(p, lane)
+            self.plane.recv(self._link(p), out, lane)
             p.last_seen = time.monotonic()
             return
         self.post_recv(peer, out)
         self._wait(p, lambda: not p.owes())
         self.take(peer)
+
+    def _await_input(self, p: Peer, lane: int) -> None:
+        """Wait on the host until the plane has the next layer input of ``p`` (its
+        receive then waits for nothing on the device), checking the connection every
+        5 ms (EOF, goodbye). AFDPeerError naming the rank when it does not come within
+        timeout_s: the runner drops that rank alone (its waits released) and serves the
+        other ranks of the pass on, instead of a device wait of up to timeout_s per
+        remaining layer holding them all."""
+        link = self._link(p)
+        deadline = time.monotonic() + self.timeout
+        last_sock_check = time.monotonic()
+        while not self.plane.input_ready(link, lane):
+            now = time.monotonic()
+            if now >= deadline:
+                raise AFDPeerError(f"AFD {p.name} did not send layer data within "
+                                   f"timeout_s={self.timeout:g}")  # fmt: skip
+            if now - last_sock_check > 0.005:
+                last_sock_check = now
+                self._check_sockets([p])
+                if self.peers.get(p.rank) is not p:
+                    raise AFDPeerError(p.why or f"lost AFD {p.name} during a step")
+            time.sleep(0.0 if self.hot_poll else 20e-6)
 
     def send(self, peer: StepPeer, y: torch.Tensor) -> None:
         """This peer's layer output, until its socket took all of it (or the plane's)."""
@@ -1788,6 +1815,10 @@ def channel_connectors(
          **{m: _plane_member(m) for m in exposes[1]}},
     )  # fmt: skip
     return attention, ffn
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _plane_member(name: str) -> property:
