@@ -163,6 +163,35 @@ def readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
     return ready
 
 
+def socket_lost(sock: socket.socket) -> str | None:
+    """Why the peer's ``sock`` is gone ("connection closed" at EOF, the error
+    of a reset), None while it is open. Never blocks, and works for any
+    descriptor number (poll(2) and a non-blocking peek; select() refuses
+    descriptors >= 1024, which a process with more files open gets)."""
+    try:
+        if not readable([sock], 0):
+            return None
+        if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK):
+            return None  # data waiting, the connection is open
+        return "connection closed"
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as e:
+        return str(e)
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """The peer of ``sock`` closed its side or reset the connection, even with bytes of
+    it still unread here (poll(2)'s POLLRDHUP, Linux). Never blocks, reads nothing."""
+    fd = sock.fileno()
+    if fd < 0:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    closed = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+    return any(ev & closed for _, ev in poller.poll(0))
+
+
 def poll_io(
     wants: list[tuple[socket.socket, bool, bool]], timeout: float
 ) -> list[tuple[bool, bool]]:
