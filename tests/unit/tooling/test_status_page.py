@@ -134,7 +134,8 @@ def test_lines_must_agree_with_the_pins(root, capsys):
 
 def test_a_proof_turns_not_run_into_its_date(root):
     data = json.loads((root / status_page.PROOFS).read_text())
-    data["proofs"].append(dict(data["proofs"][-1], line="0.33.0", capabilities=["serve"],
+    ipc = next(p for p in data["proofs"] if p["connector"] == "cuda_ipc" and p["how"] == "run")
+    data["proofs"].append(dict(ipc, line="0.33.0", capabilities=["serve"],
                                date="2026-12-31", card="NVIDIA H100"))
     (root / status_page.PROOFS).write_text(json.dumps(data))
     assert status_page.run(root, check=False) == 0

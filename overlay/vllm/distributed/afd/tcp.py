@@ -1348,7 +1348,7 @@ class TCPFFNConnector(FFNConnector):
 
     def _poll(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
         if self.plane.polls_steps:
-            return self._poll_plane(peers, timeout)
+            return self._poll_plane_steps(peers, timeout)
         # Peers that said goodbye meanwhile are gone (their sockets closed).
         peers = [p for p in peers if self.peers.get(p.rank) is p]
         if not peers:
@@ -1357,7 +1357,7 @@ class TCPFFNConnector(FFNConnector):
         return self._read_sockets(peers, timeout)
 
     # -- step control by the plane (FFNPlane.polls_steps) ----------------------------
-    def _poll_plane(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
+    def _poll_plane_steps(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
         """The step-control messages of ``peers`` from the plane (device flags), waiting
         up to ``timeout``; their connections are checked every 5 ms meanwhile."""
         deadline = time.monotonic() + timeout
