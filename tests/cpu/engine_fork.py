@@ -9,9 +9,10 @@ argv, environment (os.environ set exactly as given), session (process group), wo
 directory and log (stdout and stderr), as ``python afd_proc.py ...`` would.
 
 Only what is read when a process runs, not when vLLM is imported, may differ between the
-fork server's environment and an engine's (:data:`PER_ENGINE_KEYS`); an engine with any
-other difference (another ``TORCHDYNAMO_DISABLE``, a network namespace, a GPU) is started
-by ``subprocess`` as before. ``AFD_TEST_FORK_ENGINES=0`` starts every engine so.
+fork server's environment and an engine's (:data:`PER_ENGINE_KEYS`): another difference
+(another ``TORCHDYNAMO_DISABLE``, a variable a test sets) gets a fork server of its own,
+up to MAX_SERVERS; beyond them, and in a network namespace or on a GPU, an engine is
+started by ``subprocess`` as before. ``AFD_TEST_FORK_ENGINES=0`` starts every engine so.
 
 The client side (:func:`start`) returns a :class:`ForkedProcess`, which the harness uses
 as it uses a ``subprocess.Popen``: pid, poll, wait (``subprocess.TimeoutExpired``),
@@ -33,6 +34,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,8 +42,10 @@ from pathlib import Path
 AFD_PROC = Path(__file__).resolve().with_name("afd_proc.py")
 ENABLE_ENV = "AFD_TEST_FORK_ENGINES"
 # Read by vLLM when the engine starts (vllm.envs reads lazily) or by the AFD overlay at
-# connect time: they may differ per engine.
-PER_ENGINE_KEYS = frozenset({"VLLM_PORT", "VLLM_MLA_DISABLE", "VLLM_AFD_SECRET"})
+# connect time, or by nothing (pytest's name of the running test): they may differ per
+# engine.
+PER_ENGINE_KEYS = frozenset({"VLLM_PORT", "VLLM_MLA_DISABLE", "VLLM_AFD_SECRET",
+                             "PYTEST_CURRENT_TEST"})
 
 
 # ------------------------------------------------------------------------- server side
@@ -161,16 +165,20 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str]):
         self.env = dict(env)
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=self.env, start_new_session=True)  # fmt: skip
+        # its own output (vLLM's import logs, a traceback should it fail) in a log of its own
+        fd, self.log = tempfile.mkstemp(prefix="afd-engine-fork-", suffix=".log")
+        with os.fdopen(fd, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, env=self.env,
+                                         start_new_session=True)  # fmt: skip
         self.lock = threading.Lock()  # one request at a time
         self.pids: list[int] = []
         self.got_pid = threading.Condition()
         self.procs: dict[int, ForkedProcess] = {}
         self.exits: dict[int, int] = {}
         first = self.proc.stdout.readline()
-        msg = json.loads(first) if first else {"unsafe": "the fork server did not start"}
+        msg = json.loads(first) if first else {"unsafe": f"it did not start (see {self.log})"}
         self.usable = bool(msg.get("ready"))
         self.why = msg.get("unsafe", "")
         if self.usable:
@@ -223,8 +231,11 @@ class ForkServer:
                 return p
 
 
-_SERVER: ForkServer | None = None
-_SERVER_LOCK = threading.Lock()
+# One fork server per environment (less PER_ENGINE_KEYS): a test that sets a variable of
+# its own (monkeypatch) gets a server of its own, and the others keep theirs.
+MAX_SERVERS = 2
+SERVERS: dict[frozenset, ForkServer] = {}
+SERVERS_LOCK = threading.Lock()
 
 
 def server_env(env: dict[str, str]) -> dict[str, str]:
@@ -233,21 +244,22 @@ def server_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def start(argv: list[str], env: dict[str, str], log: Path) -> ForkedProcess | None:
-    """``afd_proc.py ARGV`` forked from the fork server (started at the first call), its
-    output appended to ``log``; None where it cannot be (disabled, an environment that
-    differs from the server's in a key read at import, no usable server): the caller
-    starts a process of its own."""
-    global _SERVER
+    """``afd_proc.py ARGV`` forked from the fork server of its environment (started at its
+    first use), its output appended to ``log``; None where it cannot be (disabled, a
+    MAX_SERVERS+1-th environment, no usable server): the caller starts a process of its
+    own."""
     if os.environ.get(ENABLE_ENV, "1") == "0":
         return None
-    with _SERVER_LOCK:
-        if _SERVER is None:
-            _SERVER = ForkServer(server_env(env))
-            if not _SERVER.usable:
-                print(f"engine fork server not used: {_SERVER.why}", file=sys.stderr)
-        server = _SERVER
-    if server.env != server_env(env):
-        return None
+    base = server_env(env)
+    key = frozenset(base.items())
+    with SERVERS_LOCK:
+        server = SERVERS.get(key)
+        if server is None:
+            if len(SERVERS) >= MAX_SERVERS:
+                return None
+            server = SERVERS[key] = ForkServer(base)
+            if not server.usable:
+                print(f"engine fork server not used: {server.why}", file=sys.stderr)
     return server.fork(list(argv), dict(env), log)
 
 
