@@ -27,6 +27,7 @@ from harness import AfdProc, afd_json, ffn_stopped_counts, free_afd_port
 
 import serve_util as su
 from vllm.afd.compat import HAS_V1_RUNNER, HAS_V2_UBATCH_RUNNER
+from vllm.afd.dbo import RUNNER_MOVED
 
 pytestmark = pytest.mark.gpu
 
@@ -367,20 +368,23 @@ QLORA_GPU_ARGS = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3",
 QLORA_GPU = su.cuda_visible_devices("0", "0", "cuda_ipc")  # both roles on GPU 0
 
 
-def _qlora_run(tag, model, tmp_path, procs, port=None, args=()) -> dict:
+def _qlora_run(tag, model, tmp_path, procs, port=None, args=(), runner="first",
+               afd_extra=None) -> dict:
     """plain vLLM (``port`` None) or an AFD attention rank (cuda_ipc to the FFN rank at
-    ``port``) on GPU 0: FULL_DECODE_ONLY graphs, the first model runner that micro-batches
-    (V1 where vLLM has it, else V2: DBO_RUNNERS), the mixed-length prompts;
-    its output (``tag``.json, log ``tag``.log)."""
+    ``port``, ``afd_extra`` added to its AFD config) on GPU 0: FULL_DECODE_ONLY graphs,
+    the first model runner that micro-batches (V1 where vLLM has it, else V2: DBO_RUNNERS;
+    ``runner`` None: the one vLLM picks), the mixed-length prompts; its output (``tag``.json,
+    log ``tag``.log)."""
     mode, afd = "plain", []
     if port is not None:
         mode = "attention"
-        afd = ["--afd", afd_json("attention", port, connector="cuda_ipc", timeout_s=30)]
+        afd = ["--afd", afd_json("attention", port, connector="cuda_ipc", timeout_s=30,
+                                 **(afd_extra or {}))]  # fmt: skip
     out = tmp_path / f"{tag}.json"
     p = _proc([mode, *afd, "--prompts", str(tmp_path / "prompts.json"), "--out", str(out),
                "--compilation-config", json.dumps(QLORA_GRAPHS), *args],
-              model, tmp_path / f"{tag}.log", QLORA_GPU, procs, DBO_RUNNERS[0],
-              gpu_args=QLORA_GPU_ARGS)
+              model, tmp_path / f"{tag}.log", QLORA_GPU, procs,
+              DBO_RUNNERS[0] if runner == "first" else runner, gpu_args=QLORA_GPU_ARGS)
     assert p.wait(START) == 0, p.tail() + "\n--- ffn ---\n" + _ffn_log(tmp_path)[-4000:]
     return json.loads(out.read_text())
 
@@ -418,3 +422,51 @@ def test_gpu_oracle_dbo_grouped_routing_q_lora(tmp_path, procs):
           f"{equal} of {total} tokens equal before {len(divs)} near-tie divergence(s), "
           f"max |logprob diff| {worst:.3g}; without DBO tokens identical, max |logprob "
           f"diff| {worst_serial:.3g}; {counts}")
+
+
+QLORA_DBO_FLAGS = ("--enable-dbo", "--dbo-threshold", "2", "--dbo-prefill-threshold", "12")
+
+
+def test_gpu_oracle_dbo_unsplit_on_vllms_default_runner(tmp_path, procs):
+    """DBO that splits no step computes what plain vLLM computes on the model runner it runs.
+    As ``vllm serve`` runs them: the runner vLLM picks (no VLLM_USE_V2_MODEL_RUNNER), AFD's
+    cost gate on "auto" with both roles on GPU 0 (it then splits no step), --enable-dbo with
+    the decode threshold 2 and prefill threshold 12. vLLM runs DeepSeek-V2 on model runner V2
+    by default, and --enable-dbo moves it to V1 where V2 has no DBO (0.26.0;
+    vllm.afd.dbo.runner_moved_by_dbo): the attention rank must say so, equal plain vLLM on V1
+    token for token, and may differ from plain vLLM on V2 only at near-ties of plain's own
+    distribution (each printed with its logprob gap)."""
+    model = MODELS_DIR / "deepseek_v2_qlora"
+    spec = oracle_lib.mixed_length_prompts()
+    oracle_lib.write_prompts(tmp_path, spec)
+    (tmp_path / "ffn.log").touch()  # read in an attention rank's failure message
+    plain = _qlora_run("plain_default", model, tmp_path, procs, runner=None)
+    port = free_afd_port(3)
+    ffn = _proc(["ffn", "--afd", afd_json("ffn", port, connector="cuda_ipc", timeout_s=30)],
+                model, tmp_path / "ffn.log", QLORA_GPU, procs, gpu_args=QLORA_GPU_ARGS)
+    dbo = _qlora_run("attn_dbo_unsplit", model, tmp_path, procs, port, QLORA_DBO_FLAGS,
+                     runner=None, afd_extra={"dbo_min_tokens": "auto"})  # fmt: skip
+    counts = ffn_stopped_counts(ffn)
+    text = (tmp_path / "attn_dbo_unsplit.log").read_text()
+    assert "DBO splits no step: the FFN rank computes on this GPU too" in text, text[-4000:]
+    assert counts["ubatched"] == 0 and counts["steps"] > 0, counts
+    moved = RUNNER_MOVED in text
+    if HAS_V1_RUNNER and not HAS_V2_UBATCH_RUNNER:  # 0.26.0: runner V2 has no DBO
+        assert moved, text[-4000:]
+    if moved:  # the same runner as the DBO rank: identical
+        same = _qlora_run("plain_v1", model, tmp_path, procs, runner="v1")
+    else:
+        same = plain
+    worst_same = oracle_lib.assert_outputs_match(same, dbo, spec["max_tokens"], BF16_TOL)
+    total = sum(spec["max_tokens"])
+    divs, worst, equal = oracle_lib.near_tie_divergences(plain, dbo, QLORA_TIE_TOL, QLORA_TOL,
+                                                         min_equal=total // 2)
+    for i, pos, gap in divs:
+        print(f"ORACLE deepseek_v2_qlora unsplit DBO vs plain on vLLM's default runner: "
+              f"prompt {i} ({oracle_lib.MIXED_LENGTHS[i]} tokens) diverges at generated token "
+              f"{pos}, plain's best minus the taken token's logprob {gap:.4f}")
+    print(f"ORACLE deepseek_v2_qlora cuda_ipc graphs DBO unsplit (auto gate, one GPU) "
+          f"runner {'V1 (moved by --enable-dbo)' if moved else 'unchanged'}: tokens identical "
+          f"to plain on that runner (max |logprob diff| {worst_same:.3g}); against plain on "
+          f"vLLM's default runner {equal} of {total} equal before {len(divs)} near-tie "
+          f"divergence(s), max |logprob diff| {worst:.3g}; {counts}")

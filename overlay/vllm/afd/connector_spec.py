@@ -294,10 +294,12 @@ register(ConnectorSpec(
     module="vllm.distributed.afd.nccl",
     attention_class="NCCLAttentionConnector",
     ffn_class="NCCLFFNConnector",
-    summary="activations by NCCL point-to-point (PyNccl), control over the channel",
+    summary="activations and step control by NCCL point-to-point (PyNccl) on the current "
+            "stream, one communicator per session formed over the channel",
     devices=("cuda",),
     cross_host=True,
-    max_ffn_ranks=1,
+    graph_capable=True,
+    rejoin="yes",
 ))
 
 register(ConnectorSpec(

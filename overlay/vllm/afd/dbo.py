@@ -174,17 +174,60 @@ def break_even_tokens(
 NEVER = 1 << 62
 
 
+def runner_moved_by_dbo(vllm_config: Any) -> bool:
+    """True when ``--enable-dbo`` made vLLM run this model on its model runner V1 where,
+    without the flag, it runs it on model runner V2. vLLM picks V2 by default for some
+    MoE architectures (DeepseekV2ForCausalLM among them on 0.26.0) unless the configuration
+    asks for something V2 lacks, and 0.26.0's V2 lacks DBO. The two runners build a step
+    differently (metadata, padding, sampler), so a server with ``--enable-dbo`` rounds
+    differently in bf16 from one without it even in the steps it does not split: a greedy
+    token may differ where plain vLLM's top two are within that rounding. Decided by
+    vLLM's own runner choice (``VllmConfig.use_v2_model_runner``) with and without DBO."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if not getattr(parallel, "enable_dbo", False) or vllm_config.use_v2_model_runner:
+        return False
+    parallel.enable_dbo = False
+    try:
+        return bool(vllm_config.use_v2_model_runner)
+    finally:
+        parallel.enable_dbo = True
+
+
+# What the attention role logs when runner_moved_by_dbo (a GPU oracle case looks for it).
+RUNNER_MOVED = (
+    "--enable-dbo runs this model on vLLM's model runner V1 (without it vLLM runs it on "
+    "model runner V2, which has no DBO in this vLLM)"
+)
+
+
+def runner_note(vllm_config: Any) -> str | None:
+    """The warning of an attention role whose model runner ``--enable-dbo`` changed
+    (:func:`runner_moved_by_dbo`), or None."""
+    if not runner_moved_by_dbo(vllm_config):
+        return None
+    return (
+        f"AFD attention role: {RUNNER_MOVED}: its bf16 results differ from a server's "
+        "without --enable-dbo also in steps it does not split, so a greedy token may differ "
+        "where two candidates are near-tied; compare it with a server run with "
+        "VLLM_USE_V2_MODEL_RUNNER=0, or drop --enable-dbo to compute as that server does"
+    )
+
+
 def configure(vllm_config: Any, shares_device: bool | None = None) -> int:
     """Set (and log) the smallest step split into micro-batches, for this attention
     role; returns it. ``dbo_min_tokens`` of the AFD config, "auto" by default: on
     CUDA the break-even of :func:`break_even_tokens`, or no split at all when the
     connector says the FFN rank computes on this GPU too (``shares_device``: the two
     roles then draw on the same SMs and memory, so there is nothing to overlap and
-    the split's second read of the weights is pure loss); on the CPU 0."""
+    the split's second read of the weights is pure loss); on the CPU 0. Also warns
+    when ``--enable-dbo`` changed the model runner (:func:`runner_note`)."""
     global _min_tokens
     if not enabled(vllm_config):
         _min_tokens = 0
         return 0
+    note = runner_note(vllm_config)
+    if note is not None:
+        logger.warning("%s", note)
     cfg = vllm_config.afd_config
     device = getattr(vllm_config.device_config, "device_type", "cpu")
     if cfg.dbo_min_tokens != "auto":
@@ -195,7 +238,8 @@ def configure(vllm_config: Any, shares_device: bool | None = None) -> int:
         _min_tokens = NEVER
         logger.info(
             "AFD attention role: DBO splits no step: the FFN rank computes on this GPU too "
-            "(auto; set dbo_min_tokens to split anyway)"
+            "(auto; set dbo_min_tokens to split anyway)%s",
+            "; it still runs model runner V1, see the warning above" if note else "",
         )
         return _min_tokens
     else:

@@ -1242,11 +1242,11 @@ class _UbatchedPass:
             n = self.peers[self.i].control.num_tokens
             router = r.gates.get(self.layers[self.pos][0])
             self.x = torch.empty((n, r.hidden_size), dtype=r.dtype, device=r.device)
-            self.conn.post_recv(self.first, self.x)
+            self.conn.post_recv(self.peers[self.i], self.x)
             if router is not None:
                 self.logits = torch.empty((n, router.num_experts), dtype=torch.float32,
                                           device=r.device)  # fmt: skip
-                self.conn.post_recv(self.first, self.logits)
+                self.conn.post_recv(self.peers[self.i], self.logits)
         self.since = time.monotonic()
         self.parked = False
 

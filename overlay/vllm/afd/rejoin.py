@@ -18,11 +18,12 @@ gives. Requests in flight continue; new ones queue in the engine meanwhile.
 Bounded: the FFN rank has ``rejoin_timeout_s`` (default ``timeout_s``) from the
 loss to come back; after that the step fails with the loss's error, as without
 rejoin. A micro-batched (DBO) step, a connector without ``can_rejoin``
-(``nccl``; ``cuda_ipc`` by default) and ``rejoin_timeout_s`` 0 keep the
-fail-fast path. On ``cuda_ipc`` with ``connector_extra_config.ipc_rejoin``
-(opt-in; docs/connectors.md says what the H200 proved) the whole forward re-runs: ``run_forward``,
-which the model runners' forward calls reach through ``guard`` (the in-tree
-hook calls ``vllm.afd.attention.guard_forward``).
+(``cuda_ipc`` by default; ``nccl`` once a CUDA graph captured its communicator) and
+``rejoin_timeout_s`` 0 keep the fail-fast path. On ``cuda_ipc`` with
+``connector_extra_config.ipc_rejoin`` (opt-in; docs/connectors.md says what the H200
+proved), on ``nccl`` and on ``nixl``'s device path the whole forward re-runs
+(``reruns_forward``): ``run_forward``, which the model runners' forward calls reach
+through ``guard`` (the in-tree hook calls ``vllm.afd.attention.guard_forward``).
 """
 
 from __future__ import annotations

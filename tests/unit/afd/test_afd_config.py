@@ -216,15 +216,6 @@ BAD = [
         r"num_attention_ranks \(3\) must be a multiple of num_ffn_ranks \(2\)",
     ),
     (
-        {"role": "ffn", "connector": "nccl", "num_attention_ranks": 2, "num_ffn_ranks": 2},
-        r"connector 'nccl' serves num_ffn_ranks <= 1 in this release; got 2",
-    ),
-    (
-        {"role": "ffn", "connector": "P2pNcclAFDConnector", "num_attention_ranks": 4,
-         "num_ffn_ranks": 2},
-        r"connector 'nccl' serves num_ffn_ranks <= 1",
-    ),
-    (
         {"role": "ffn", "compute_gate_on_attention": "yes"},
         r"'compute_gate_on_attention' must be true or false; got 'yes'",
     ),

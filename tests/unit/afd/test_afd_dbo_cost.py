@@ -13,9 +13,20 @@ from vllm.afd import dbo
 from vllm.config.afd import AFDConfig, AFDConfigError
 
 
+class _Config(SimpleNamespace):
+    """A VllmConfig's fields that vllm.afd.dbo reads. ``v2_default``: the model runner
+    vLLM picks for the model is V2, unless DBO is on (as 0.26.0 does for DeepSeek-V2)."""
+
+    v2_default = False
+
+    @property
+    def use_v2_model_runner(self) -> bool:
+        return self.v2_default and not self.parallel_config.enable_dbo
+
+
 def _vllm_config(device="cuda", dbo_min_tokens="auto", hf=None, dtype=torch.bfloat16):
     hf = hf or SimpleNamespace(n_routed_experts=64, num_experts_per_tok=6)
-    return SimpleNamespace(
+    return _Config(
         afd_config=AFDConfig.from_dict({"role": "attention", "dbo_min_tokens": dbo_min_tokens}),
         parallel_config=SimpleNamespace(
             enable_dbo=True,
@@ -90,3 +101,94 @@ def test_auto_splits_nothing_when_the_ffn_rank_shares_this_gpu():
         64, 6, 2, dbo.CUDA_FLOPS_PER_BYTE
     )
     assert dbo.configure(_vllm_config(dbo_min_tokens=0), shares_device=True) == 0  # explicit
+
+
+class _Log:
+    """Records what vllm.afd.dbo logs (vLLM's loggers do not reach caplog)."""
+
+    def __init__(self):
+        self.lines: list[tuple[str, str]] = []
+
+    def info(self, msg, *args):
+        self.lines.append(("info", msg % args))
+
+    def warning(self, msg, *args):
+        self.lines.append(("warning", msg % args))
+
+
+def test_configure_warns_when_dbo_moved_the_model_to_runner_v1(monkeypatch):
+    """A server with --enable-dbo whose model vLLM runs on model runner V2 without it
+    runs V1 instead (0.26.0's V2 has no DBO): it computes differently also where DBO
+    splits nothing (the FFN rank on this GPU), and says so."""
+    log = _Log()
+    monkeypatch.setattr(dbo, "logger", log)
+    moved = _vllm_config()
+    moved.v2_default = True
+    assert dbo.runner_moved_by_dbo(moved)
+    assert moved.parallel_config.enable_dbo  # the check leaves the configuration as it was
+    assert dbo.configure(moved, shares_device=True) == dbo.NEVER
+    assert log.lines[0][0] == "warning" and dbo.RUNNER_MOVED in log.lines[0][1]
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in log.lines[0][1]
+    assert log.lines[1][0] == "info" and "DBO splits no step" in log.lines[1][1]
+    assert "still runs model runner V1" in log.lines[1][1]
+    log.lines.clear()
+    dbo.configure(moved, shares_device=False)  # a split server warns as well
+    assert [lvl for lvl, _ in log.lines] == ["warning", "info"]
+    log.lines.clear()
+    assert not dbo.runner_moved_by_dbo(_vllm_config())  # V1 with or without DBO
+    dbo.configure(_vllm_config(), shares_device=True)
+    assert [lvl for lvl, _ in log.lines] == ["info"] and "runner" not in log.lines[0][1]
+
+
+# Tiny configs of the two MoE families of the DBO oracle: vLLM's default runner (V2 or V1)
+# is chosen by architecture, before any weight is read.
+_DEEPSEEK_V2 = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+                "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+                "q_lora_rank": 32, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+                "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 8,
+                "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 2,
+                "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                "routed_scaling_factor": 2.5, "vocab_size": 128,
+                "max_position_embeddings": 512}  # fmt: skip
+_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+              "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 128,
+              "max_position_embeddings": 512}  # fmt: skip
+
+
+def _engine_config(tmp_path, hf: dict, enable_dbo: bool):
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    path = tmp_path / hf["model_type"]
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    args = EngineArgs(model=str(path), skip_tokenizer_init=True, max_model_len=128,
+                      enable_dbo=enable_dbo, afd_config={"role": "attention"})  # fmt: skip
+    return args.create_engine_config()
+
+
+def test_dbo_moves_deepseek_v2_from_vllms_runner_v2_to_v1(tmp_path, monkeypatch):
+    """vLLM's own runner choice, as a CUDA host makes it (Triton there): DeepSeek-V2 runs on
+    model runner V2 by default, and with --enable-dbo on V1 wherever this vLLM's V2 has no
+    micro-batch runner (0.26.0); Qwen3-MoE runs V1 either way. So a DeepSeek-V2 attention
+    server with --enable-dbo runs another runner than plain vLLM also where DBO splits no
+    step (the FFN rank on the same GPU), while a Qwen3-MoE one runs plain's."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm.afd import compat
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    for hf in (_DEEPSEEK_V2, _QWEN3_MOE):
+        plain = _engine_config(tmp_path, hf, enable_dbo=False)
+        with_dbo = _engine_config(tmp_path, hf, enable_dbo=True)
+        assert with_dbo.parallel_config.enable_dbo  # the AFD attention role keeps DBO
+        moved = plain.use_v2_model_runner and not with_dbo.use_v2_model_runner
+        assert dbo.runner_moved_by_dbo(with_dbo) == moved, hf["model_type"]
+        assert not dbo.runner_moved_by_dbo(plain)
+        if not compat.HAS_V2_UBATCH_RUNNER:  # 0.26.0
+            assert moved == (hf["model_type"] == "deepseek_v2"), hf["model_type"]
+            assert (dbo.runner_note(with_dbo) is not None) == moved

@@ -117,6 +117,7 @@ def test_afds_floor_keeps_small_steps_whole():
     cfg = SimpleNamespace(
         afd_config=AFDConfig.from_dict({"role": "attention", "dbo_min_tokens": 6}),
         parallel_config=_parallel(), device_config=SimpleNamespace(device_type="cuda"),
+        use_v2_model_runner=True,
     )  # fmt: skip
     try:
         assert dbo.configure(cfg) == 6

@@ -60,10 +60,17 @@ def test_the_keys_a_record_declares_are_accepted_with_their_defaults():
             assert key.default is None or key.check(key.default) is None, (spec.name, key)
 
 
-def test_capabilities_come_from_the_record():
-    # failover: declared by gloo only; a connector of one FFN rank refuses two
+def test_capabilities_come_from_the_record(monkeypatch):
+    import dataclasses
+
+    # failover: declared by gloo (and nixl)
     _cfg(connector="gloo", num_ffn_ranks=2, num_attention_ranks=2,
          connector_extra_config={"ffn_failover": True})
+    # nccl serves several FFN ranks (a communicator per session; before: N = 1)
+    for name in ("nccl", "P2pNcclAFDConnector"):
+        assert _cfg(connector=name, num_ffn_ranks=2, num_attention_ranks=4).num_ffn_ranks == 2
+    # a record's limit of FFN ranks is what refuses more
+    monkeypatch.setitem(SPECS, "nccl", dataclasses.replace(SPECS["nccl"], max_ffn_ranks=1))
     with pytest.raises(AFDConfigError, match=r"connector 'nccl' serves num_ffn_ranks <= 1"):
         _cfg(connector="nccl", num_ffn_ranks=2, num_attention_ranks=2)
     assert SPECS["cuda_ipc"].graph_capable and not SPECS["gloo"].graph_capable

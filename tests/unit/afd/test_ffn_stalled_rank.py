@@ -2,7 +2,8 @@
 ranks of its FFN rank: the FFN rank's serve loop (vllm.afd.ffn_runner's, with a fake model)
 over real sockets on 127.0.0.1 (the TCP connector), two attention ranks, one of which stops
 mid-frame - in a layer input of a pass the two share, in a control frame between steps, in a
-micro-batched (DBO) step, or by no longer reading its outputs.
+micro-batched (DBO) step, or by no longer reading its outputs; and over the nixl data plane
+(real NIXL agents), a rank that stops in a shared pass or in its micro-batched step.
 
 Checked: every layer of the healthy rank comes back within STALL_BOUND_S (the serve loop
 waits STRAGGLER_S for a late rank of a shared pass, then goes on without it), with the right
@@ -285,3 +286,127 @@ def test_a_late_rank_that_resumes_before_its_deadline_finishes_its_step(net, ser
             assert torch.equal(stopped.recv(torch.empty(1, HIDDEN)), b * 10 + i)
         healthy.end_step()
         stopped.end_step()
+
+
+# ------------------------------------------------------------------ the nixl data plane
+# The same guarantee over connector nixl (real NIXL agents over UCX on 127.0.0.1): the
+# activations are one-sided writes with notifications, not bytes of the channel's
+# connection. Each side drives its own agent (no progress thread): the healthy rank while
+# it waits, the FFN rank in its serve loop; the stopped rank's agent is driven no more.
+def nixl_ranks(net):
+    """As :func:`ranks`, over connector nixl: an FFN rank of two attention ranks, rank 1
+    the one that stops (no heartbeats)."""
+    from vllm.distributed.afd.base import create_attention_connector, create_ffn_connector
+
+    port = free_port()
+    ffn = create_ffn_connector(tcp_lib.make_ctx("ffn", port, m=2, timeout=TIMEOUT,
+                                                connector="nixl"))  # fmt: skip
+    net.items.append(ffn)
+    ffn.start()
+    atts = []
+    for rank in (0, 1):
+        att = create_attention_connector(tcp_lib.make_ctx("attention", port, rank=rank, m=2,
+                                                          timeout=TIMEOUT, connector="nixl"))
+        net.items.append(att)
+        atts.append(att)
+    healthy, stopped = atts
+    stopped._heartbeat_loop = lambda: None
+    for att in atts:
+        Bg(att.connect).get()
+        wait_until(lambda a=att: a.ctx.rank in ffn.peers, what="rank accepted")
+    assert type(ffn.plane).__name__ == "NixlFFNPlane"
+    return ffn, healthy, stopped
+
+
+def nixl_micro_batched_step(att, step_id: int, n: int = 2) -> float:
+    """A DBO step of 2 micro-batches from one thread, as the FFN rank serves it (layer by
+    layer, micro-batch 0 then 1; each micro-batch's messages on its own lane); the longest
+    layer round trip."""
+    worst = 0.0
+    att.begin_step(step_id, n, ubatch=(0, 2))
+    for i in range(LAYERS):
+        for mb in range(2):
+            if i == 0 and mb == 1:
+                att.begin_step(step_id, n, ubatch=(1, 2))
+            att._lanes.lane = mb
+            worst = max(worst, layer(att, torch.randn(n, HIDDEN), i))
+    att.end_step()
+    return worst
+
+
+def test_nixl_a_rank_stopped_in_a_shared_pass_does_not_stall_the_other(net, serving):
+    """Rank 1 sends its control and its first layer input, then nothing (its agent is no
+    longer driven either): the FFN rank waits for the notifications of every posted
+    message at once, splits rank 1 out of the shared pass STRAGGLER_S after rank 0's input
+    came and drops it at its own deadline. Rank 1's reply write never completes (over UCX
+    it needs the stopped agent's progress): posted, it holds no one either. Before, the
+    FFN rank waited for that write, then for rank 1's notification, alone for timeout_s,
+    holding rank 0 (which timed out first)."""
+    ffn, healthy, stopped = nixl_ranks(net)
+    healthy.begin_step(1, 2)
+    stopped.begin_step(1, 3)
+    s = serving(ffn)  # both steps wait: they share the first pass
+    x0 = torch.randn(2, HIDDEN)
+    healthy.send(x0)
+    stopped.send(torch.randn(3, HIDDEN))  # layer 0; its reply is never read
+    last_message = time.monotonic()
+    assert torch.equal(healthy.recv(torch.empty(2, HIDDEN)), x0 * 10)
+    worst = healthy_steps(healthy, 1, start=1)  # the rest of step 1, then steps 2 and 3
+    print(f"healthy rank (nixl): longest layer round trip {worst:.3f} s")
+    assert worst < STALL_BOUND_S
+    assert s.runner.straggler_splits == 1  # the pass went on without the stopped rank
+    assert 1 in ffn.peers  # its own deadline has not passed yet
+    took, why = dropped_at(ffn, 1, last_message)
+    assert_own_deadline(took, why, "AFD peer attention rank 1 at 127.0.0.1:")
+    assert "did not answer within the timeout" in why
+    assert healthy_steps(healthy, 10) < STALL_BOUND_S and healthy.is_up()
+    assert s.runner.peers_lost == 1
+    wait_until(lambda: not s.runner._tasks, what="the stopped rank's pass forgotten")
+    assert set(ffn.plane.sessions) == {0}  # the stopped rank's registrations ended
+
+
+def test_nixl_a_rank_stopped_in_its_micro_batched_step_does_not_stall_the_other(
+    net, serving
+):
+    """Rank 1 stops after micro-batch 0's first layer input of a DBO step; rank 0 runs DBO
+    steps (messages on lanes 0 and 1) and plain steps meanwhile, each layer at once."""
+    ffn, healthy, stopped = nixl_ranks(net)
+    stopped.begin_step(1, 3, ubatch=(0, 2))
+    s = serving(ffn)
+    stopped.send(torch.randn(3, HIDDEN))  # micro-batch 0, layer 0: its reply never read
+    last_message = time.monotonic()
+    time.sleep(0.05)  # the FFN rank is in rank 1's step (waits for micro-batch 1's control)
+    worst = max(nixl_micro_batched_step(healthy, 1), healthy_steps(healthy, 2),
+                nixl_micro_batched_step(healthy, 5))  # fmt: skip
+    print(f"healthy rank (nixl, DBO): longest layer round trip {worst:.3f} s")
+    assert worst < STALL_BOUND_S
+    assert 1 in ffn.peers
+    took, why = dropped_at(ffn, 1, last_message)
+    assert_own_deadline(took, why, "did not answer within the timeout")
+    wait_until(lambda: s.runner.peers_lost == 1 and not s.runner._tasks,
+               what="the runner's pass of rank 1 ended")  # fmt: skip
+    assert s.runner.ubatched_steps == 2  # the healthy rank's, served whole
+
+
+def test_nixl_a_rank_that_ends_its_session_mid_step_is_dropped_at_once(net, serving):
+    """Rank 1 fails part-way through a step and shuts its connection down (as a failed step
+    or a failure its plane found does): the FFN rank, waiting for its next layer input (a
+    notification, nothing on the socket), sees the EOF and ends the session at once, not
+    at its deadline; rank 0 is served meanwhile and after."""
+    ffn, healthy, stopped = nixl_ranks(net)
+    stopped.begin_step(1, 3)
+    s = serving(ffn)
+    x = torch.randn(3, HIDDEN)
+    stopped.send(x)
+    assert torch.equal(stopped.recv(torch.empty(3, HIDDEN)), x * 10)
+    time.sleep(0.1)  # the FFN rank waits for rank 1's layer 1 input
+    closed = time.monotonic()
+    with stopped._lock:
+        stopped._fail(P.AFDPeerError("the data plane failed"), "a test")
+    took, why = dropped_at(ffn, 1, closed)
+    print(f"rank 1 dropped {took:.3f} s after it shut its connection down: {why}")
+    assert took < STALL_BOUND_S
+    assert "attention rank 1" in why and "closed the connection" in why
+    assert healthy_steps(healthy, 1) < STALL_BOUND_S
+    wait_until(lambda: s.runner.peers_lost == 1 and not s.runner._tasks,
+               what="the runner's pass of rank 1 ended")  # fmt: skip

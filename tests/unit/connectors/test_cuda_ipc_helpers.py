@@ -39,6 +39,9 @@ def test_graph_and_dbo_capability_agree_with_the_spec_records():
     from vllm.afd.connector_spec import SPECS, resolve
     from vllm.distributed.afd import base, tcp
 
+    def attention_of(name):
+        return base.connector_classes(name)[0]
+
     assert {"gloo", "nccl", "cuda_ipc"} <= set(base.connector_names())
     for name in base.connector_names():
         attention, ffn = base.connector_classes(name)
@@ -52,6 +55,8 @@ def test_graph_and_dbo_capability_agree_with_the_spec_records():
     with pytest.raises(ValueError, match=r"graph_capable=True but its spec record .* says False"):
         base.register_connector("gloo", ipc.IPCAttentionConnector, ipc.IPCFFNConnector)
     with pytest.raises(ValueError, match=r"dbo_capable=True but its spec record .* says False"):
+        base.register_connector("nccl", attention_of("nccl"), ipc.IPCFFNConnector)
+    with pytest.raises(ValueError, match=r"graph_capable=False but its spec record .* says True"):
         base.register_connector("nccl", tcp.TCPAttentionConnector, tcp.TCPFFNConnector)
     with pytest.raises(ValueError, match="unknown connector 'not_listed'"):
         base.register_connector("not_listed", ipc.IPCAttentionConnector, ipc.IPCFFNConnector)

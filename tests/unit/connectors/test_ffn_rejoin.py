@@ -5,8 +5,8 @@ model runner's step loop: a lost attention rank (EOF, reset, a protocol error, b
 steps or in the middle of a step that other ranks share) is dropped, the other ranks are
 served on - a step in flight included, with the right outputs - and the rank is taken
 again on a new handshake of the same rank id (its server restarted). A rejoin of another
-deployment (fingerprint) or of a rank still connected is refused; an nccl FFN rank still
-ends (its NCCL group cannot be formed again)."""
+deployment (fingerprint) or of a rank still connected is refused; an nccl FFN rank drops
+the lost rank alone too, its communicator aborted (a fake PyNccl communicator)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from vllm.distributed.afd import tcp
 from vllm.distributed.afd.base import StepPeer
 
 net = tcp_lib.net  # the fixture
-group = test_nccl_connector.group  # the fixture: an nccl FFN rank and its two ranks
+fake = test_nccl_connector.fake  # the fixture: a fake PyNccl communicator
 
 
 def attention(net, port: int, rank: int, **kw) -> tcp.TCPAttentionConnector:
@@ -115,14 +115,25 @@ def test_a_rank_still_connected_cannot_be_replaced(net):
     serve_one_step(ffn, att1, 1)
 
 
-def test_an_nccl_ffn_rank_still_ends_when_a_rank_is_lost(group):
-    _, ffn, (att0, att1), _ = group
+def test_an_nccl_ffn_rank_drops_a_lost_rank_alone_and_serves_the_other(fake):
+    """Before, a lost attention rank ended an nccl FFN rank (one NCCL group for good);
+    with a communicator per session the lost rank's session ends alone, its
+    communicator aborted (its pending operations end), and the other rank is served."""
+    nt = test_nccl_connector
+    port = free_port()
+    ffn = nt._ffn(fake, port)
+    att0, att1 = nt._attention(fake, port, 0), nt._attention(fake, port, 1)
+    nt._connect(att0, att1)
+    wait_until(lambda: set(ffn.peers) == {0, 1}, what="both ranks accepted")
+    lost, kept = nt._comm_of(ffn, 1), nt._comm_of(ffn, 0)
+    att1._heartbeat_loop = lambda: None
     kill(att1.sock, rst=True)
     t0 = time.monotonic()
-    with pytest.raises(P.AFDPeerError, match="lost AFD peer attention rank 1"):
-        while time.monotonic() - t0 < 3:
-            ffn.wait_step(0.1)
-    assert not ffn.survives_peer_loss
+    assert "lost AFD peer attention rank 1 at 127.0.0.1:" in wait_lost(ffn, 1)
+    assert time.monotonic() - t0 < 1.5 and ffn.survives_peer_loss
+    wait_until(lambda: lost.destroyed, what="the lost rank's communicator aborted")
+    assert not kept.destroyed and set(ffn.peers) == {0}
+    nt._step(ffn, att0, 0, 3, step_no=1)
 
 
 # ------------------------------------------------------- the runner's step in flight

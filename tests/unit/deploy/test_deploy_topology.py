@@ -58,7 +58,6 @@ def topo(**changes) -> dict:
     ({"connector": "cuda_ipc"}, "connector", "cannot cross hosts"),
     ({"connector": "ipc", "placement": "multi_host"}, "connector", "cannot cross hosts"),
     ({"connector": "carrier-pigeon"}, "connector", "unknown connector"),
-    ({"connector": "nccl", "ffn__ranks": 2}, "ffn.ranks", "at most 1"),
     ({"ffn__ranks": 2, "ffn__layout": "group", "afd__connector_extra_config":
       {"ffn_failover": True}}, "afd.connector_extra_config.ffn_failover", "replicas"),
     ({"ffn__layout": "group"}, "ffn.layout", "ffn.ranks >= 2"),
@@ -88,9 +87,23 @@ def test_refusals_name_the_field(changes, field, text):
     assert text in str(e.value), str(e.value)
 
 
+def test_a_records_limit_of_ffn_ranks_is_named(monkeypatch):
+    """No connector has a limit now (nccl served one FFN rank before its communicator per
+    session); a record that declares one is what refuses more."""
+    import dataclasses
+
+    from vllm.afd.connector_spec import SPECS
+
+    assert validate(topo(connector="nccl", ffn__ranks=2, attention__ranks=2)).connector == "nccl"
+    monkeypatch.setitem(SPECS, "nccl", dataclasses.replace(SPECS["nccl"], max_ffn_ranks=1))
+    with pytest.raises(TopologyError) as e:
+        validate(topo(connector="nccl", ffn__ranks=2, attention__ranks=2), source="t.json")
+    assert "t.json: ffn.ranks: " in str(e.value) and "at most 1" in str(e.value)
+
+
 @pytest.mark.parametrize("connector, placement, relayed", [
     ("gloo", "multi_host", True), ("tcp", "multi_host", True), ("nixl", "multi_host", True),
-    ("nccl", "multi_host", False), ("cuda_ipc", "one_host", False),
+    ("nccl", "multi_host", True), ("cuda_ipc", "one_host", False),
     ("gloo", "one_host", True)])  # fmt: skip
 def test_connectors_and_placements_accepted(connector, placement, relayed):
     t = validate(topo(connector=connector, placement=placement))

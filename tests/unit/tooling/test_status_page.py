@@ -108,8 +108,8 @@ def test_inconsistent_figures_are_refused(root, capsys, change, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda p: p.update(connector="nccl", capabilities=["graphs"]),
-     "claims 'graphs' for nccl on cuda, which its spec record does not declare"),
+    (lambda p: p.update(connector="nccl", capabilities=["dbo"]),
+     "claims 'dbo' for nccl on cuda, which its spec record does not declare"),
     (lambda p: p.update(line="0.99.0"), "line '0.99.0' is not carried"),
     (lambda p: p.update(connector="nixl2"), "connector 'nixl2' has no spec record"),
     (lambda p: p.update(how="run", date=None), "a run needs its date"),

@@ -12,7 +12,7 @@ FFN rank's current address for every new connection. When the supervisor starts 
 rank on another node it points the relays there; the attention ranks' rejoin (they hold
 the interrupted step for ``rejoin_timeout_s``) dials the relay again and reaches the new
 server. The address in the attention ranks' configuration never changes, no DNS is needed.
-Connectors without a TCP rejoin (nccl, cuda_ipc) get the FFN addresses directly; their
+Connectors without a TCP rejoin (cuda_ipc) get the FFN addresses directly; their
 attention ranks end with a lost FFN rank and are started again with the new addresses.
 """
 

@@ -161,8 +161,9 @@ class Topology:
     @property
     def relayed(self) -> bool:
         """Whether the Ray launcher puts a relay between attention and FFN ranks: the
-        connector rejoins a lost FFN rank through its control channel (gloo; nixl, whose
-        data plane is set up again over the channel), so a moved FFN rank is reached again."""
+        connector rejoins a lost FFN rank through its control channel (gloo; nixl and nccl,
+        whose data plane is set up again over the channel), so a moved FFN rank is reached
+        again."""
         return bool(self.ray.get("relay", True)) and _spec(self.connector).rejoin == "yes"
 
     def afd_config(self, server: Server, host: str, ffn_addresses: list[str]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import collections
 import select
 import socket
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -162,6 +163,35 @@ def readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
     return ready
 
 
+def socket_lost(sock: socket.socket) -> str | None:
+    """Why the peer's ``sock`` is gone ("connection closed" at EOF, the error
+    of a reset), None while it is open. Never blocks, and works for any
+    descriptor number (poll(2) and a non-blocking peek; select() refuses
+    descriptors >= 1024, which a process with more files open gets)."""
+    try:
+        if not readable([sock], 0):
+            return None
+        if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK):
+            return None  # data waiting, the connection is open
+        return "connection closed"
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as e:
+        return str(e)
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """The peer of ``sock`` closed its side or reset the connection, even with bytes of
+    it still unread here (poll(2)'s POLLRDHUP, Linux). Never blocks, reads nothing."""
+    fd = sock.fileno()
+    if fd < 0:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    closed = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+    return any(ev & closed for _, ev in poller.poll(0))
+
+
 def poll_io(
     wants: list[tuple[socket.socket, bool, bool]], timeout: float
 ) -> list[tuple[bool, bool]]:
@@ -198,7 +228,7 @@ class Inbound:
     bytes of a host tensor (a layer input; staged through host memory for a device or
     non-contiguous ``out``, copied there by :meth:`finish`), or a control frame."""
 
-    __slots__ = ("view", "got", "out", "staging", "is_control", "value")
+    __slots__ = ("view", "got", "out", "staging", "is_control", "value", "check")
 
     def __init__(self, view: memoryview, out=None, staging=None, is_control: bool = False):
         self.view = view
@@ -207,6 +237,9 @@ class Inbound:
         self.staging = staging
         self.is_control = is_control
         self.value: Control | None = None  # a control frame's message, once it arrived
+        # A message of a polled data plane (FFNPlane.polled), not of the byte stream:
+        # check() says whether it arrived (and finished it); None for the stream's own.
+        self.check: Callable[[], bool] | None = None
 
     @classmethod
     def tensor(cls, out: torch.Tensor) -> Inbound:
@@ -218,6 +251,21 @@ class Inbound:
     @classmethod
     def control(cls) -> Inbound:
         return cls(memoryview(bytearray(CONTROL.size)), is_control=True)
+
+    @classmethod
+    def polled(cls, check: Callable[[], bool]) -> Inbound:
+        """A message of a polled data plane: arrived once ``check()`` said so (one byte
+        of bookkeeping stands for it)."""
+        m = cls(memoryview(bytearray(1)))
+        m.check = check
+        return m
+
+    def poll(self) -> bool:
+        """A polled plane's message: True when it arrived just now."""
+        if self.check is None or self.arrived or not self.check():
+            return False
+        self.got = 1
+        return True
 
     @property
     def arrived(self) -> bool:
@@ -253,6 +301,8 @@ class Peer:
         self.rx: collections.deque[Inbound] = collections.deque()
         self.ctrl: Inbound | None = None
         self.tx: collections.deque[tuple[memoryview, object]] = collections.deque()
+        # The sends of a polled data plane in flight: their done() checks, in order.
+        self.sends: collections.deque[Callable[[], bool]] = collections.deque()
         self.progress = self.last_seen
         # A step-control message read but not handed out yet: nothing more is read
         # from this rank until it is (its next bytes are that step's data).
@@ -265,7 +315,7 @@ class Peer:
         ``between_steps`` is False (a step is being served by blocking calls). None when
         its next bytes are not wanted yet."""
         for m in self.rx:
-            if not m.arrived:
+            if not m.arrived and m.check is None:  # a polled plane's message: not here
                 return m
         if self.rx or self.held or not between_steps:
             return None

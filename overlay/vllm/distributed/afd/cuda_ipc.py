@@ -1,12 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CUDA IPC connector for AFD on the GPUs of one host (``cuda_ipc``).
+"""CUDA IPC connector for AFD on the GPUs of one host (``cuda_ipc``): the control
+channel (``vllm.distributed.afd.tcp``) composed with the cuda_ipc data plane
+(:class:`IPCAttentionPlane`, :class:`IPCFFNPlane`), a plane of device sessions
+(``AttentionPlane.device_session``, ``FFNPlane.polls_steps``).
 
 The layer exchange is device work only, so the attention role can capture it
 in CUDA graphs and the FFN role can replay its own graphs:
 
 * each side allocates an *inbox* in its own GPU memory (data buffer plus a
   row of int64 flags) and hands the other side a CUDA IPC handle to it over
-  the TCP connector's socket, after the usual hello;
+  the channel's connection, right after the channel's handshake (the plane's
+  ``connect`` and ``attach``);
 * a message is a copy into the peer's inbox followed by a one-program Triton
   kernel (``vllm.distributed.afd.ipc_kernels``) that bumps a device-side counter
   and release-stores it into the peer's flag; the receiver's kernel spins on its
@@ -38,11 +42,11 @@ No host synchronisation per layer on the attention side and no per-step host
 round trip: the attention host only launches work.
 
 Failure stays explicit and bounded: every device wait gives up after
-``timeout_s`` (``globaltimer``) and sets an error word; the attention side's
-watchdog thread reads that word and watches the TCP socket (EOF of a dead FFN
-rank is immediate) and, on a failure, records it for the engine-death message
+``timeout_s`` (``globaltimer``) and sets an error word; the channel's watchdog
+thread on the attention side reads that word (the plane's ``probe``) and watches
+the connection (EOF of a dead FFN rank is immediate) and, on a failure, records it for the engine-death message
 and ends the process (its GPU stream may be stuck behind a wait, and the
-step's output must not reach a client). The TCP socket keeps carrying
+step's output must not reach a client). The connection keeps carrying
 heartbeats, goodbye and profiler requests.
 
 Rejoin (opt-in, ``connector_extra_config.ipc_rejoin``; docs/connectors.md says
@@ -61,13 +65,10 @@ each process's device 0 its own GPU).
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import torch
 
-from vllm.afd import failure
 from vllm.afd.connector_spec import SPECS
 from vllm.afd.protocol import (
     HELLO_PREAMBLE,
@@ -85,12 +86,12 @@ from vllm.afd.protocol import (
 )
 from vllm.afd.roles import unless_capturing
 from vllm.distributed.afd import ipc_kernels as kernels
-from vllm.distributed.afd.base import ConnectorContext, StepPeer, register_connector
-from vllm.distributed.afd.channel import Peer as _Peer
-from vllm.distributed.afd.channel import readable
+from vllm.distributed.afd.base import ConnectorContext, register_connector
 from vllm.distributed.afd.channel import recv_bytes as _recv_bytes
 from vllm.distributed.afd.channel import send_all as _send_all
-from vllm.distributed.afd.tcp import TCPAttentionConnector, TCPFFNConnector
+from vllm.distributed.afd.channel import socket_lost  # noqa: F401 - the watchdog's probe
+from vllm.distributed.afd.plane import AttentionPlane, FFNPlane, Link
+from vllm.distributed.afd.tcp import channel_connectors
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -316,23 +317,6 @@ def _timeout_ns(ctx: ConnectorContext) -> int:
     return int(float(ctx.config.timeout_s) * 1e9)
 
 
-def socket_lost(sock: socket.socket) -> str | None:
-    """Why the peer's ``sock`` is gone ("connection closed" at EOF, the error
-    of a reset), None while it is open. Never blocks, and works for any
-    descriptor number (poll(2) and a non-blocking peek; select() refuses
-    descriptors >= 1024, which a process with more files open gets)."""
-    try:
-        if not readable([sock], 0):
-            return None
-        if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK):
-            return None  # data waiting, the connection is open
-        return "connection closed"
-    except (BlockingIOError, InterruptedError):
-        return None
-    except OSError as e:
-        return str(e)
-
-
 # ----------------------------------------------------------- attention side
 def gpu_uuid(device: torch.device) -> str:
     """The GPU's UUID ("" where it cannot be read): the same physical device has the
@@ -359,52 +343,58 @@ def recv_message(
     out.copy_(src)
 
 
-class IPCAttentionConnector(TCPAttentionConnector):
+class IPCAttentionPlane(AttentionPlane):
+    """The attention rank's side: its own flag row and outbox (exported to the FFN rank),
+    the FFN rank's control buffer and inbox mapped here, device counters; every step is
+    device work on the current stream (``device_session``: the channel's watchdog probes
+    the error word, ``probe``)."""
+
     graph_capable = True
     dbo_capable = True
+    carries_control = True
+    device_session = True
+    # run_forward checks the forwards whose losses are held only (ipc_rejoin).
+    checks_every_forward = False
     # By default a new FFN rank maps new buffers at new addresses that this rank's
     # captured graphs do not know: a lost FFN rank ends the engine
-    # (docs/connectors.md); with ipc_rejoin see the can_rejoin property.
+    # (docs/connectors.md); with ipc_rejoin the forward is re-run whole after a rejoin.
 
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
+        cfg = ctx.config
+        self.timeout = float(cfg.timeout_s)
         self.timeout_ns = _timeout_ns(ctx)
-        # Called with the failure message from the watchdog thread; the default
-        # ends the process (see the module docstring). Tests replace it.
-        self.on_failure = failure.exit_now
+        home = cfg.ffn_rank_of(ctx.rank)
+        self.peer = f"FFN rank {home} at {cfg.ffn_address_text(home)}"  # (the link's, once up)
         self.slot_bytes = 0  # set with the buffers (message_bytes)
         self.peer_gpu: str | None = None  # the FFN rank's GPU UUID (its reply)
         self._send_off = [0] * SLOTS
-        self._watch: threading.Thread | None = None
         # Rejoin (connector_extra_config.ipc_rejoin): the graphs reach the FFN
         # rank's buffers through self.table only; a loss is held (not fatal) once
         # the model forward runs under vllm.afd.rejoin.run_forward.
-        self.reruns_forward = ipc_rejoin(ctx.config)
-        self.forwards_guarded = False
-        self._held = False  # a loss held for run_forward (set by _hold)
+        self.reruns_forward = ipc_rejoin(cfg)
+        self.rejoins = self.reruns_forward
         self.table: torch.Tensor | None = None
         self._mine: dict | None = None
+        self._ready = False  # the device channel is set up (first connect)
 
-    def connect(self) -> None:
-        super().connect()
-        with self._lock:
-            try:
-                self._setup_device()
-            except BaseException:
-                self._dead = "device channel setup failed"
-                self.sock.close()
-                self.sock = None
-                raise
-        self._watch = threading.Thread(target=self._watchdog, name="afd-ipc-watch", daemon=True)
-        self._watch.start()
+    def connect(self, link: Link, deadline: float) -> object:
+        """The first connection sets the device channel up (``_setup_device``); a
+        re-handshake with a restarted FFN rank (ipc_rejoin) maps it again (``_remap``)."""
+        self.peer = link.peer
+        if not self._ready:
+            self._setup_device(link.sock)
+        else:
+            self._remap(link.sock, deadline)
+        return None
 
-    def _setup_device(self) -> None:
+    def _setup_device(self, sock=None) -> None:
         dev = self.ctx.device
         if dev.type != "cuda":
             raise RuntimeError("AFD cuda_ipc connector needs a CUDA device")
         self._make_own(dev)
         torch.cuda.synchronize(dev)  # zeroed before the FFN rank can write them
-        self._map_peer(self.sock, time.monotonic() + self.timeout)
+        self._map_peer(sock, time.monotonic() + self.timeout)
         self._host_err = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._side = torch.cuda.Stream(device=dev)
         # DBO: one stream per micro-batch for its exchange (see the module docstring).
@@ -414,6 +404,7 @@ class IPCAttentionConnector(TCPAttentionConnector):
             self.table = torch.zeros(ROW, dtype=torch.int64, device=dev)
             self._point_table()
         kernels.require()
+        self._ready = True
         logger.info(
             "AFD: cuda_ipc device channel to %s mapped (inbox %d bytes, %d micro-batch slots)",
             self.peer,
@@ -467,11 +458,6 @@ class IPCAttentionConnector(TCPAttentionConnector):
         entries[kernels.TABLE_INBOX] = self.inbox.data_ptr()
         self.table.copy_(entries)
 
-    def _handshake(self, sock, deadline: float, rejoining: bool = False) -> None:
-        super()._handshake(sock, deadline, rejoining)
-        if rejoining and self.reruns_forward:
-            self._remap(sock, deadline)
-
     def _remap(self, sock, deadline: float) -> None:
         """A re-handshake with a restarted FFN rank (on the thread that runs the
         forwards, the device idle): this rank's own buffers start clean (counters,
@@ -493,36 +479,10 @@ class IPCAttentionConnector(TCPAttentionConnector):
         logger.info("AFD: cuda_ipc device channel to %s mapped again (pointer table "
                     "updated)", self.peer)  # fmt: skip
 
-    def reconnect(self, deadline: float) -> None:
-        """tcp's rejoin, whose re-handshake maps the new FFN rank (``_remap``);
-        the watchdog watches again once the connection is up."""
-        super().reconnect(deadline)
-        self._held = False
-
-    def _rejoin_in_background(self) -> None:
-        """With ipc_rejoin, only the forward's thread rejoins (the table may change
-        only while no graph runs): vllm.afd.rejoin.run_forward."""
-        if not self.reruns_forward:
-            super()._rejoin_in_background()
-
-    @property
-    def can_rejoin(self) -> bool:
-        """The layer-level rejoin of vllm.afd.rejoin (an eager step whose
-        begin_step found the connection lost) only where losses are held."""
-        return self.holds_losses()
-
-    def holds_losses(self) -> bool:
-        """A loss is held for a rejoin (not fatal): ipc_rejoin is on, the window is
-        not 0, and the forwards run under run_forward (which checks each one
-        before its output is used)."""
-        return self.reruns_forward and self.forwards_guarded and self.ctx.config.rejoin_window_s > 0
-
-    def _hold(self, msg: str) -> None:
-        """The FFN rank is lost: note it (the forward's check sees it) and release
-        this rank's own device waits (its flags), so that a replay in flight ends
-        now instead of after timeout_s; its output is discarded."""
-        self._note_lost(msg)
-        self._held = True
+    def hold(self) -> None:
+        """The FFN rank is lost and the loss held: release this rank's own device waits
+        (its flags), so that a replay in flight ends now instead of after timeout_s; its
+        output is discarded."""
         if self.ctx.device.type != "cuda":
             self.flags[:SLOTS].fill_(POISON)
             return
@@ -530,30 +490,24 @@ class IPCAttentionConnector(TCPAttentionConnector):
             self.flags[:SLOTS].fill_(POISON)
 
     def step_lost(self) -> str | None:
-        """After a forward (its device work waited for): why the FFN rank was lost
-        during it, None when the pass was clean."""
+        """After a forward (its device work waited for): why its exchanges failed (a
+        device wait that gave up: the error word), None when the pass was clean."""
         dev = self.ctx.device
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
-        if self._dead is None:
-            seq = self._read_error_word()
-            if seq:
-                self._hold(f"AFD peer {self.peer} did not answer within the timeout "
-                           f"(timeout_s={self.timeout:g}, layer message {seq})")  # fmt: skip
-        return self._dead
+        seq = self._read_error_word()
+        if seq:
+            return (f"AFD peer {self.peer} did not answer within the timeout "
+                    f"(timeout_s={self.timeout:g}, layer message {seq})")  # fmt: skip
+        return None
 
     # -- per step (device work on the current stream) ---------------------
-    def begin_step(
-        self,
-        step_id: int,
-        num_tokens: int,
-        ubatch: tuple[int, int] | None = None,
-        ubatch_tokens: list[int] | None = None,
+    def open_step(
+        self, num_tokens: int, ubatch: tuple[int, int] | None, ubatch_tokens: list[int] | None
     ) -> None:
         """``ubatch``: (index, count) when this opens one micro-batch of a DBO
         step; micro-batch 0's message carries ``ubatch_tokens`` (the token
         counts of all of them), later micro-batches send no control message."""
-        self._check()
         if ubatch is None:
             self._send_off[0] = 0
             self._control(num_tokens, 0, 0)
@@ -580,7 +534,9 @@ class IPCAttentionConnector(TCPAttentionConnector):
         else:
             kernels.control(self.ctr_ctrl, self.ctrl_row, num_tokens, flags, ub1_tokens)
 
-    def send(self, x: torch.Tensor) -> None:
+    # ``lane``: the channel's; the slot of a micro-batch comes from vLLM's micro-batch id
+    # of the thread (_slot_stream), the same value.
+    def send(self, x: torch.Tensor, lane: int = 0) -> None:
         s, stream = self._slot_stream()
         with torch.cuda.stream(stream):
             dst = _view(self.inbox, self._send_off[s], x, s, self.slot_bytes)
@@ -592,13 +548,13 @@ class IPCAttentionConnector(TCPAttentionConnector):
                 send_message(x, dst, self.ctr_sent[s], self.data_flags[s])
             self._send_off[s] += _align(dst.numel() * dst.element_size())
 
-    def recv(self, out: torch.Tensor) -> torch.Tensor:
+    def recv(self, out: torch.Tensor, lane: int = 0) -> torch.Tensor:
         recv_message(_view(self.outbox, 0, out, 0, self.slot_bytes), out, self.ctr_recv[0],
                      self.recv_flags[0], self.err, self.timeout_ns)  # fmt: skip
         self._send_off[0] = 0
         return out
 
-    def recv_start(self, out: torch.Tensor):
+    def recv_start(self, out: torch.Tensor, lane: int = 0):
         """DBO: wait for this micro-batch's reply on its own stream; the returned
         ``wait()`` (called when the micro-batch's thread resumes) makes the
         current stream wait for it."""
@@ -632,9 +588,6 @@ class IPCAttentionConnector(TCPAttentionConnector):
         stream.wait_event(ready)
         return s, stream
 
-    def end_step(self) -> None:
-        pass
-
     def shares_device(self) -> bool | None:
         """From the GPU UUIDs the two sides exchanged with their buffers."""
         mine = gpu_uuid(self.ctx.device)
@@ -642,41 +595,10 @@ class IPCAttentionConnector(TCPAttentionConnector):
             return None
         return self.peer_gpu == mine
 
-    # -- failure detection --------------------------------------------------
-    def _watchdog(self) -> None:
-        if self.ctx.device.type == "cuda":
-            torch.accelerator.set_device_index(self.ctx.device.index or 0)
-        while not self._closed.wait(0.1):
-            if self._held:
-                continue  # held: run_forward rejoins (see _hold)
-            msg = self._dead
-            if msg is None:
-                try:
-                    msg = self._probe()
-                except Exception as e:  # noqa: BLE001 - a blind watchdog fails the rank
-                    msg = (
-                        f"AFD watchdog of the connection to {self.peer} failed "
-                        f"({type(e).__name__}: {e}); this rank could no longer notice a "
-                        "lost or silent FFN rank"
-                    )
-            if msg is not None and self.reruns_forward and self.holds_losses():
-                self._hold(msg)
-                continue
-            if msg is not None:
-                self._dead = msg
-                logger.error("AFD: %s", msg)
-                failure.record("attention", self.ctx.rank, msg)
-                self.on_failure(msg)
-                return
-
-    def _probe(self) -> str | None:
-        sock = self.sock
-        if sock is None:
-            return None
-        lost = socket_lost(sock)
-        if lost is not None:
-            return None if self.sock is None else f"lost AFD peer {self.peer}: {lost}"
-        # A synchronising call during a capture would make it fail (global mode).
+    # -- failure detection (the channel's watchdog) ------------------------------------
+    def probe(self) -> str | None:
+        """The error word: set by a device wait that gave up. A synchronising call
+        during a capture would make it fail (global mode): skipped meanwhile."""
         seq = unless_capturing(self._read_error_word)
         if seq:
             return (
@@ -690,10 +612,6 @@ class IPCAttentionConnector(TCPAttentionConnector):
             self._host_err.copy_(self.err[:1], non_blocking=True)
         self._side.synchronize()
         return int(self._host_err[0])
-
-    def close(self) -> None:
-        self._closed.set()
-        super().close()
 
 
 def _sub(d: dict, prefix: str) -> dict:
@@ -726,29 +644,37 @@ class _Inbox:
         self.flags: torch.Tensor | None = None  # the attention rank's flag row
         self.recv_off = [0] * SLOTS
         self.seen = 0  # control messages consumed
+        # Per micro-batch slot, the data messages whose receive the host enqueued (its
+        # mirror of the device counter, for input_ready); stale after a graph capture,
+        # whose replays advance the device counters (read again then).
+        self.expect = [0] * SLOTS
         self.ub_tokens: list[int] = []  # token counts of the DBO step being served
         self.next_ub = 1
 
 
-class IPCFFNConnector(TCPFFNConnector):
+class IPCFFNPlane(FFNPlane):
+    """The FFN rank's side: per attention rank a control buffer and an inbox of its own,
+    exported to that rank only; step control by device flags (``polls_steps``: the host
+    polls the control buffers with small copies on a side stream), layer data by device
+    waits and copies on the current stream."""
+
     graph_capable = True
     dbo_capable = True
-    # Layer data moves by device (cuda_ipc) or NCCL: receives queue device work one
-    # rank after another, as before; only the TCP control channel is pumped.
-    async_io = False
+    polls_steps = True
+    # The host waits for a rank's layer input before it enqueues the receive (the channel's
+    # _await_input): a rank that stops mid-step is dropped at its own deadline instead of
+    # its device waits (up to timeout_s each, one per remaining layer) holding the pass.
+    polls_inputs = True
     # Micro-batch 0's control message announces every micro-batch of a DBO step
     # (recv_control answers from it without waiting; see vllm.afd.ffn_runner).
     ubatch_controls_upfront = True
 
-    # Control polls back to back for HOT_S after a step, then every IDLE_POLL_S.
-    HOT_S = 0.5
-    IDLE_POLL_S = 200e-6
-
     def __init__(self, ctx: ConnectorContext):
         super().__init__(ctx)
+        self.timeout = float(ctx.config.timeout_s)
         self.timeout_ns = _timeout_ns(ctx)
         self.slot_bytes = 0  # set with the buffers (message_bytes)
-        self.ranks = sorted(self.expected)
+        self.ranks = sorted(ctx.config.attention_ranks_of(ctx.rank))
         self.inboxes: dict[int, _Inbox] = {}
         self.counters: torch.Tensor | None = None
         self._side = None  # the stream of the control polls (start)
@@ -756,7 +682,7 @@ class IPCFFNConnector(TCPFFNConnector):
         # hold the device addresses of the previous session's buffers.
         self.generation = 0
         self.hot_poll = ctx.config.connector_extra_config.get("ffn_hot_poll", True)
-        self._last_step = float("-inf")
+        self._expect_stale = False  # a graph was captured since the mirrors were read
 
     def start(self) -> None:
         dev = self.ctx.device
@@ -767,7 +693,6 @@ class IPCFFNConnector(TCPFFNConnector):
                                  pin_memory=True)  # fmt: skip
         self._side = torch.cuda.Stream(device=dev)
         kernels.require()
-        super().start()
 
     def _make_buffers(self, dev: torch.device) -> None:
         """Per attention rank a control buffer and an inbox of its own, and this
@@ -801,12 +726,12 @@ class IPCFFNConnector(TCPFFNConnector):
     def _counter(self, box: _Inbox, slot: int, sent: bool) -> torch.Tensor:
         return self.counters[2 * (box.row * SLOTS + slot) + int(sent)]
 
-    def _accept_device(self, rank: int, sock, addr: str) -> None:
+    def attach(self, link: Link, deadline: float) -> None:
         """Map the attention rank's buffers and give it its own (handshake thread)."""
         if self.ctx.device.type == "cuda":
             torch.accelerator.set_device_index(self.ctx.device.index or 0)
-        box = self._session_inbox(rank)
-        deadline = time.monotonic() + min(10.0, self.timeout)
+        sock, addr = link.sock, link.peer
+        box = self._session_inbox(link.rank)
         n = unpack_hello_preamble(_recv_bytes(sock, HELLO_PREAMBLE.size, deadline, addr))
         remote = parse_hello(_recv_bytes(sock, n, deadline, addr))
         try:
@@ -833,93 +758,39 @@ class IPCFFNConnector(TCPFFNConnector):
         torch.cuda.synchronize(self.ctx.device)
         box.seen = 0
         box.recv_off = [0] * SLOTS
+        box.expect = [0] * SLOTS
 
     # -- serving -------------------------------------------------------------
-    def _poll(self, peers: list[_Peer], timeout: float) -> list[StepPeer]:
-        deadline = time.monotonic() + timeout
-        last_sock_check = 0.0
-        while True:
-            # Peers that left (goodbye) or were dropped meanwhile are gone.
-            peers = [p for p in peers if self.peers.get(p.rank) is p]
-            if not peers:
-                time.sleep(min(timeout, 0.05))
-                return []
-            ready = self._device_ready(peers)
-            if ready:
-                now = self._last_step = time.monotonic()
-                got = {r.rank for r in ready}
-                for p in peers:
-                    if p.rank in got:
-                        p.last_seen = now
-                return ready
-            now = time.monotonic()
-            if now - last_sock_check > 0.005:
-                last_sock_check = now
-                self._check_sockets(peers)
-            if now >= deadline:
-                return []
-            time.sleep(self._poll_pause(now))
-
-    def _poll_pause(self, now: float) -> float:
-        """Seconds between two control polls: none while steps flow (the FFN rank
-        has nothing else to do then; a poll is a small copy and a stream sync,
-        and the time the host takes to notice a step is on the step's path),
-        IDLE_POLL_S once HOT_S passed without a step; 20 us always with
-        connector_extra_config.ffn_hot_poll false (the earlier behaviour)."""
-        if not self.hot_poll:
-            return 20e-6
-        return 0.0 if now - self._last_step < self.HOT_S else self.IDLE_POLL_S
-
-    def _check_sockets(self, peers: list[_Peer]) -> None:
-        """Heartbeats, goodbyes and profiler requests; steps come by device. A lost
-        (closed, silent) rank is dropped there, its device waits released."""
-        for step in self._read_sockets(peers, 0):
-            p = next(p for p in peers if p.rank == step.rank)
-            self._lose(p, f"AFD {p.name} broke the protocol: step control over TCP with "
-                       "the cuda_ipc connector")  # fmt: skip
-
-    def _device_ready(self, peers: list[_Peer]) -> list[StepPeer]:
-        """The new control messages of ``peers``: one small copy of each rank's
+    def poll_steps(self, sessions: list[tuple[int, str]]) -> list[tuple[int, object, str | None]]:
+        """The new control messages of ``sessions``: one small copy of each rank's
         control buffer, read together. A rank whose error word is set (a device
-        wait for its data gave up, or the rank wrote it) loses its session
-        alone; the others are served on."""
-        boxes = [self.inboxes[p.rank] for p in peers]
+        wait for its data gave up, or the rank wrote it) is named failed, alone."""
+        boxes = [self.inboxes[rank] for rank, _ in sessions]
         with torch.cuda.stream(self._side):
             for box in boxes:
                 self._host[box.row].copy_(box.ctrl, non_blocking=True)
         self._side.synchronize()
         host = self._host.tolist()
-        ready = []
-        for p, box in zip(peers, boxes):
+        out = []
+        for (rank, name), box in zip(sessions, boxes):
             row, err = host[box.row][0], host[box.row][ERR_ROW][0]
             if err:
-                self._end_session(p, box, f"AFD {p.name} did not send layer data within "
-                                  f"timeout_s={self.timeout:g} (message {err})")  # fmt: skip
+                out.append((rank, None, f"AFD {name} did not send layer data within "
+                            f"timeout_s={self.timeout:g} (message {err})"))  # fmt: skip
                 continue
-            step = self._new_step(p, box, row)
+            step = self._new_step(name, box, row)
             if step is not None:
-                ready.append(step)
-        return ready
+                out.append((rank, *step))
+        return out
 
-    def _end_session(self, p: _Peer, box: _Inbox, why: str) -> None:
-        """Release this rank's device waits and close its connection (its
-        attention server sees EOF and ends); the FFN rank serves the others."""
-        logger.error("AFD: %s; its session ends, the other attention ranks are served on", why)
-        self._lose(p, why)
-
-    def _release(self, p: _Peer) -> None:
-        self.poison([self.inboxes[p.rank]])
-
-    def _new_step(self, p: _Peer, box: _Inbox, row: list[int]) -> StepPeer | None:
-        """The step ``row`` (a host copy of the rank's control row) announces,
-        None when there is none (also when a broken protocol drops the rank)."""
+    def _new_step(self, name: str, box: _Inbox, row: list[int]):
+        """(Control, None) for the step ``row`` (a host copy of the rank's control row)
+        announces, (None, why) for a broken protocol, None when there is none."""
         flag = row[C_FLAG]
         if flag <= box.seen or row[C_SEQ] != flag:
             return None  # nothing new, or the payload is not visible yet
         if flag != box.seen + 1:
-            self._lose(p, f"AFD {p.name} broke the protocol: control message {flag} after "
-                       f"{box.seen}")  # fmt: skip
-            return None
+            return None, f"AFD {name} broke the protocol: control message {flag} after {box.seen}"
         box.seen = flag
         ctrl = Control(MSG_STEP, flag, row[C_TOKENS], row[C_FLAGS])
         index, count = ubatch_of(ctrl.flags)
@@ -934,24 +805,31 @@ class IPCFFNConnector(TCPFFNConnector):
         elif ctrl.flags and (index != 0 or not 2 <= count <= SLOTS):
             bad = f"step opened as micro-batch {index} of {count} (slots: {SLOTS})"
         if bad is not None:
-            self._lose(p, f"AFD {p.name} broke the protocol: {bad}")
-            return None
+            return None, f"AFD {name} broke the protocol: {bad}"
         box.recv_off = [0] * SLOTS
-        return StepPeer(p.rank, ctrl, p)
+        return ctrl, None
 
-    def recv_control(self, peer: StepPeer) -> Control:
-        """The next micro-batch of the DBO step ``peer`` opened, from the token
+    def recv_control(self, rank: int, control: Control) -> Control:
+        """The next micro-batch of the DBO step ``control`` opened, from the token
         counts its control message announced (no wait)."""
-        box = self.inboxes[peer.rank]
+        box = self.inboxes[rank]
         i = box.next_ub
-        count = ubatch_of(peer.control.flags)[1]
+        count = ubatch_of(control.flags)[1]
         if not i < count:
             raise AFDPeerError(
-                f"AFD cuda_ipc: micro-batch {i} asked for, step {peer.control.step_id} of "
-                f"attention rank {peer.rank} has {count}"
+                f"AFD cuda_ipc: micro-batch {i} asked for, step {control.step_id} of "
+                f"attention rank {rank} has {count}"
             )
         box.next_ub += 1
-        return Control(MSG_STEP, peer.control.step_id, box.ub_tokens[i], ubatch_flags(i, count))
+        return Control(MSG_STEP, control.step_id, box.ub_tokens[i], ubatch_flags(i, count))
+
+    def release(self, link: Link | None) -> None:
+        """Before a lost session is dropped (None: the FFN rank stops): its device waits
+        end now (poisoned)."""
+        if link is None:
+            self.poison()
+        elif link.rank in self.inboxes:
+            self.poison([self.inboxes[link.rank]])
 
     def poison(self, boxes: list[_Inbox] | None = None) -> None:
         """Release the device waits of these ranks (default: all; their peers
@@ -963,24 +841,59 @@ class IPCFFNConnector(TCPFFNConnector):
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
 
-    def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
-        box = self.inboxes[peer.rank]
-        s = ubatch_of(peer.control.flags)[0]
+    def recv(self, link: Link, out: torch.Tensor, lane: int = 0) -> None:
+        box = self.inboxes[link.rank]
+        s = lane
         src = _view(box.data, box.recv_off[s], out, s, self.slot_bytes)
         recv_message(src, out, self._counter(box, s, False), box.ctrl[0, C_DATA + s :],
                      box.ctrl[ERR_ROW], self.timeout_ns)  # fmt: skip
         box.recv_off[s] += _align(out.numel() * out.element_size())
+        box.expect[s] += 1
+        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._expect_stale = True
 
-    def send(self, peer: StepPeer, y: torch.Tensor) -> None:
-        box = self.inboxes[peer.rank]
-        s = ubatch_of(peer.control.flags)[0]
+    def input_ready(self, link: Link, lane: int = 0) -> bool:
+        """The rank's data flag of slot ``lane`` reached the message its next receive
+        waits for (one small copy of its control row on the poll stream). The host's count
+        of the receives it enqueued is read again from the device counters after a graph
+        capture (replays advance them on the device only)."""
+        box = self.inboxes[link.rank]
+        if self._expect_stale:
+            self._read_expect()
+        with torch.cuda.stream(self._side):
+            self._host[box.row].copy_(box.ctrl, non_blocking=True)
+        self._side.synchronize()
+        flag = int(self._host[box.row][0][C_DATA + lane])
+        return flag >= box.expect[lane] + 1
+
+    def _read_expect(self) -> None:
+        """Every rank's count of data messages received, from the device counters once the
+        work enqueued so far is done."""
+        dev = self.ctx.device
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        for box in self.inboxes.values():
+            box.expect = [int(self._counter(box, s, False)[0]) for s in range(SLOTS)]
+        self._expect_stale = False
+
+    def send(self, link: Link, y: torch.Tensor, lane: int = 0) -> None:
+        box = self.inboxes[link.rank]
+        s = lane
         send_message(y, _view(box.outbox, 0, y, s, self.slot_bytes), self._counter(box, s, True),
                      box.flags[s:])  # fmt: skip
         box.recv_off[s] = 0
 
-    def close(self) -> None:
-        self.poison()
-        super().close()
 
-
+# The connectors: the control channel composed with the cuda_ipc plane. The names its
+# tests (and the GPU tests) reach the plane's device state by are shown on the connectors.
+IPCAttentionConnector, IPCFFNConnector = channel_connectors(
+    IPCAttentionPlane, IPCFFNPlane, "IPC",
+    exposes=(
+        ("_make_own", "_map_peer", "_setup_device", "_point_table", "_remap", "_slot_stream",
+         "_read_error_word", "table", "state", "flags", "outbox", "inbox", "ctrl", "peer_gpu",
+         "slot_bytes", "timeout_ns"),
+        ("_make_buffers", "_host", "_side", "inboxes", "slot_bytes", "counters", "ranks",
+         "poison", "timeout_ns"),
+    ),
+)  # fmt: skip
 register_connector("cuda_ipc", IPCAttentionConnector, IPCFFNConnector)

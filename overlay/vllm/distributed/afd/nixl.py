@@ -191,6 +191,11 @@ class Agent:
                     n.decode() if isinstance(n, bytes) else n for n in notes
                 )
 
+    def has(self, peer: str, note: str) -> bool:
+        """The notification ``note`` of ``peer`` arrived (polled) and was not taken."""
+        with self.lock:
+            return note in self._notes.get(peer, ())
+
     def take(self, peer: str, note: str) -> bool:
         with self.lock:
             got = self._notes.get(peer)
@@ -279,6 +284,7 @@ class Session:
         self.who = who
         self.sent = [0] * LANES
         self.claimed = [0] * LANES  # receives handed out per lane (their sequence numbers)
+        self.writing: dict[int, object] = {}  # posted writes not yet complete, by send slot
 
     def peer_slot(self, index: int) -> tuple[int, int, str]:
         addr, dev, mem = self.peer_inbox
@@ -304,6 +310,12 @@ def _view(box_bytes: torch.Tensor, slot: int, index: int, like: torch.Tensor) ->
 def write_message(agent: Agent, s: Session, lane: int, x: torch.Tensor, timeout: float) -> None:
     """Write one message and drive the write to completion (the sender's agent makes its
     own progress: a posted write left alone may not leave this host)."""
+    agent.wait_done(post_message(agent, s, lane, x), time.monotonic() + timeout, s.who)
+
+
+def post_message(agent: Agent, s: Session, lane: int, x: torch.Tensor):
+    """Copy one message into its send slot and post its write; the handle, for
+    ``Agent.done`` (the caller drives it to completion)."""
     seq = s.sent[lane]
     index = slot_index(lane, seq)
     box = s.box
@@ -320,7 +332,7 @@ def write_message(agent: Agent, s: Session, lane: int, x: torch.Tensor, timeout:
     handle = agent.write(box.out_slot(index), s.peer_slot(index), max(1, out.numel()),
                          s.peer_agent, note_of(s.sid, lane, seq), s.who)  # fmt: skip
     s.sent[lane] += 1
-    agent.wait_done(handle, time.monotonic() + timeout, s.who)
+    return handle
 
 
 def claim(s: Session, lane: int) -> int:
@@ -334,6 +346,11 @@ def claim(s: Session, lane: int) -> int:
 def read_message(agent: Agent, s: Session, lane: int, seq: int, out: torch.Tensor,
           deadline: float) -> None:  # fmt: skip
     agent.wait_for(s.peer_agent, note_of(s.sid, lane, seq), deadline, s.who)
+    copy_message(s, lane, seq, out)
+
+
+def copy_message(s: Session, lane: int, seq: int, out: torch.Tensor) -> None:
+    """Copy message ``seq`` of ``lane`` (its notification taken) out of the inbox."""
     src = _view(s.box.inbox, s.box.slot, slot_index(lane, seq), out)
     if not out.numel():
         return
@@ -576,9 +593,13 @@ class NixlAttentionPlane(AttentionPlane):
 # ------------------------------------------------------------------ FFN side
 class NixlFFNPlane(FFNPlane):
     """The FFN rank's host loop: it waits for a message's notification, copies the slot
-    (host or device memory) out, and writes the reply from its own slot."""
+    (host or device memory) out, and writes the reply from its own slot. Its messages are
+    posted and checked (``polled``): the channel's pump polls the agent once a round and
+    checks the notifications of every session's posted receives and the states of their
+    posted writes, so no session waits on another's."""
 
     dbo_capable = True
+    polled = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -638,6 +659,51 @@ class NixlFFNPlane(FFNPlane):
 
     def send(self, link: Link, y: torch.Tensor, lane: int = 0) -> None:
         write_message(self.agent, self._session(link), lane, y, link.timeout)
+
+    # -- posted I/O (polled) ------------------------------------------------------
+    def recv_posted(self, link: Link, out: torch.Tensor, lane: int = 0) -> Callable[[], bool]:
+        s = self._session(link)
+        seq = claim(s, lane)
+        slot_index(lane, seq)  # a bad lane is refused now
+        note = note_of(s.sid, lane, seq)
+        agent = self.agent
+
+        def check() -> bool:
+            if not agent.take(s.peer_agent, note):
+                return False
+            copy_message(s, lane, seq, out)
+            return True
+
+        return check
+
+    def send_posted(self, link: Link, y: torch.Tensor, lane: int = 0) -> Callable[[], bool]:
+        s = self._session(link)
+        index = slot_index(lane, s.sent[lane])
+        old = s.writing.pop(index, None)
+        if old is not None:  # the write of this slot RING messages ago (not in practice:
+            # the peer answered those since): its slot is not rewritten under it
+            self.agent.wait_done(old, time.monotonic() + link.timeout, s.who)
+        handle = post_message(self.agent, s, lane, y)
+        s.writing[index] = handle
+        agent = self.agent
+
+        def done() -> bool:
+            if s.writing.get(index) is not handle:
+                return True  # waited for above
+            if not agent.done(handle, s.who):
+                return False
+            del s.writing[index]
+            return True
+
+        return done
+
+    def progress(self) -> None:
+        self.agent.poll(f"FFN rank {self.ctx.rank}'s nixl agent")
+
+    def idle_wait(self, waited: float) -> float:
+        """Poll without sleeping for nixl_spin_us after the last message moved, then
+        every SLEEP_S (as a blocking wait does)."""
+        return 0.0 if waited < self.agent.spin_s else SLEEP_S
 
     def close(self) -> None:
         with self._lock:

@@ -10,9 +10,23 @@ never opens, authenticates or heartbeats a connection of its own, and holds noth
 peer beyond its session, so a restarted peer is met as a new one.
 
 The socket plane (``gloo``) sends the activations over the channel's own connection; the
-NIXL plane (``nixl``) writes them one-sidedly into the peer's registered inbox. Each plane
-is described by its connector's spec record (``vllm.afd.connector_spec``), which names the
-plane classes; the registry composes them with the channel.
+NIXL plane (``nixl``) writes them one-sidedly into the peer's registered inbox; the
+cuda_ipc plane (``vllm.distributed.afd.cuda_ipc``) copies them into the peer's inbox
+mapped by CUDA IPC and signals device flags, the step control included; the NCCL plane
+(``vllm.distributed.afd.nccl``) sends both by PyNccl, one communicator per session. Each
+plane is described by its connector's spec record (``vllm.afd.connector_spec``), which
+names the connector classes; ``channel_connectors`` composes the plane with the channel.
+
+A plane of device work declares what it needs of the channel, with hooks whose defaults
+leave the others as they are ("device sessions" below): ``device_session`` (the channel
+passes the step's calls through, keeps no open step and watches the session with a
+watchdog thread: ``probe``, ``hold``), ``open_step`` (a step's control with its
+micro-batches' token counts), ``rejoins`` and ``checks_every_forward`` (the rejoin of
+vllm.afd.rejoin), ``shares_device``; on the FFN side ``polls_steps`` (the step control
+comes by the plane: ``poll_steps``), ``ubatch_controls_upfront`` (``recv_control``),
+``start``, ``release`` (a failed session's device waits end now), ``generation`` and
+``polls_inputs`` (``input_ready``: the host waits for a rank's layer input, with its own
+deadline, before it enqueues the receive).
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.afd.protocol import AFDPeerError
+from vllm.afd.protocol import AFDPeerError, ubatch_flags
 from vllm.distributed.afd.channel import recv_tensor, send_tensor
 
 
@@ -115,6 +129,53 @@ class AttentionPlane(ABC):
     def close(self) -> None:
         self.detach()
 
+    # -- device sessions (cuda_ipc) ------------------------------------------------------
+    # Hooks of a plane whose session is device work the host does not follow. Their
+    # defaults leave the socket and NIXL planes as they are.
+
+    # A lost FFN rank can be rejoined at all (False: a loss ends the engine; cuda_ipc
+    # without ipc_rejoin, whose captured graphs hold the FFN rank's mapped addresses).
+    rejoins = True
+    # With ``reruns_forward``: every forward is waited for and checked (``step_lost``)
+    # even where a loss is not held. None: as ``reruns_forward`` (nixl's proxy thread
+    # needs it); cuda_ipc checks only the forwards whose losses are held.
+    checks_every_forward: bool | None = None
+    # The session is device work that the plane orders itself (device counters): the
+    # channel passes begin_step (``open_step``), send, recv and recv_start to the plane
+    # as they come, keeps no open step (end_step does nothing) and checks nothing before
+    # an exchange. Its failures show on the device (``probe``, ``step_lost``) or as EOF of
+    # the connection: a watchdog thread of the channel looks for both every 0.1 s and
+    # holds a loss it finds (``hold``) where losses are held (``holds_losses``), else
+    # ends the rank (``on_failure``, by default ending the process: the GPU stream may be
+    # stuck behind a wait, and the step's output must not reach a client).
+    device_session = False
+
+    def open_step(
+        self, num_tokens: int, ubatch: tuple[int, int] | None, ubatch_tokens: list[int] | None
+    ) -> None:
+        """``carries_control``: begin one step (``ubatch``: (index, count) of a DBO
+        micro-batch; ``ubatch_tokens``: the token counts of all of them, for a plane
+        that announces them with micro-batch 0). By default the step's control message,
+        ``begin_step(num_tokens, flags)``."""
+        self.begin_step(num_tokens, ubatch_flags(*ubatch) if ubatch is not None else 0)
+
+    def probe(self) -> str | None:
+        """``device_session``: why the session failed on the device (a wait that gave
+        up), None while it did not. Called from the watchdog thread: must not disturb a
+        CUDA graph capture in progress (skip a synchronising read meanwhile)."""
+        return None
+
+    def hold(self) -> None:
+        """``device_session``: a loss is held for a re-run of the forward: end this
+        side's own device waits now, so that a pass in flight finishes (its output is
+        discarded) instead of waiting out timeout_s."""
+        return None
+
+    def shares_device(self) -> bool | None:
+        """True when the FFN rank computes on this rank's GPU, False on another one,
+        None when the plane cannot tell (``AttentionConnector.shares_device``)."""
+        return None
+
 
 class FFNPlane(ABC):
     """The FFN rank's side of a data plane (its attention ranks' sessions)."""
@@ -150,6 +211,85 @@ class FFNPlane(ABC):
     def close(self) -> None:
         """The FFN rank stops."""
         return None
+
+    # -- posted I/O (``polled``) ---------------------------------------------------
+    # The plane's messages can be posted and checked without waiting: the channel then
+    # posts them beside its own control frames and serves all sessions at once
+    # (TCPFFNConnector.async_io), so no session waits on another's messages; the blocking
+    # recv/send above are not called by the serve loop.
+    polled = False
+
+    def recv_posted(self, link: Link, out: torch.Tensor, lane: int = 0) -> Callable[[], bool]:
+        """``polled``: receive this session's next message on ``lane`` into ``out``; the
+        returned ``check()`` never waits: True once the message arrived (and is in
+        ``out``). Raises AFDPeerError when the session is gone."""
+        raise NotImplementedError(f"the {type(self).__name__} does not post its messages")
+
+    def send_posted(self, link: Link, y: torch.Tensor, lane: int = 0) -> Callable[[], bool]:
+        """``polled``: start sending this session's layer output; the returned ``done()``
+        never waits: True once the send completed (``y`` may be reused at once)."""
+        raise NotImplementedError(f"the {type(self).__name__} does not post its messages")
+
+    def progress(self) -> None:
+        """``polled``: once per round of the channel's pump, before the checks: drive the
+        plane's transfers (take what arrived)."""
+        return None
+
+    def idle_wait(self, waited: float) -> float:
+        """``polled``: how long a round of the pump may wait for the sockets while posted
+        messages of the plane are outstanding, ``waited`` seconds after the last one moved
+        (the plane's messages cannot be select()ed: the pump polls them this often)."""
+        return 0.0
+
+    # -- device sessions (cuda_ipc) ------------------------------------------------------
+    # Hooks of a plane whose step control comes by the device, not by the channel's
+    # connection. Their defaults leave the socket and NIXL planes as they are.
+
+    # The step-control messages come by the plane (``poll_steps``): the channel polls the
+    # plane for them and reads only heartbeats, goodbyes and profiler requests from its
+    # connections (a step control message there breaks the protocol).
+    polls_steps = False
+    # ``polls_steps``: poll back to back for a while after a step (else a short sleep
+    # between polls; ``connector_extra_config.ffn_hot_poll`` of cuda_ipc).
+    hot_poll = True
+    # Micro-batch 0's control message announces every micro-batch of a DBO step:
+    # ``recv_control`` answers the later ones without a wait.
+    ubatch_controls_upfront = False
+    # Bumped whenever a session's device buffers (or communicator) are new: the FFN
+    # rank's CUDA graphs captured before hold the previous session's addresses.
+    generation = 0
+
+    def start(self) -> None:
+        """The FFN rank starts (before it listens): set up what serves every session."""
+        return None
+
+    def poll_steps(self, sessions: list[tuple[int, str]]) -> list[tuple[int, object, str | None]]:
+        """``polls_steps``: the new step-control messages of these sessions ((attention
+        rank, name) each): ``(rank, Control, None)`` for a step, ``(rank, None, why)`` for
+        a session that failed (the channel drops it, naming why). Never waits."""
+        raise NotImplementedError(f"the {type(self).__name__} carries no step control")
+
+    def recv_control(self, rank: int, control):
+        """``ubatch_controls_upfront``: the next micro-batch's control message of the DBO
+        step that ``control`` (micro-batch 0's) opened for attention rank ``rank``."""
+        raise NotImplementedError(f"the {type(self).__name__} does not announce micro-batches")
+
+    def release(self, link: Link | None) -> None:
+        """The session of ``link`` failed (None: the FFN rank stops, every session): end
+        now the device work that waits on it (before the channel drops it), so that the
+        other ranks' passes are not held."""
+        return None
+
+    # The host can tell whether a session's next layer input has arrived before it
+    # enqueues the receive (``input_ready``): the channel then waits for it on the host,
+    # with the rank's own deadline, and drops a rank whose input does not come instead of
+    # enqueueing a device wait that would hold the other ranks of the pass.
+    polls_inputs = False
+
+    def input_ready(self, link: Link, lane: int = 0) -> bool:
+        """``polls_inputs``: the session's next layer input of micro-batch ``lane`` has
+        arrived (its receive, enqueued now, waits for nothing). Never waits."""
+        raise NotImplementedError(f"the {type(self).__name__} cannot poll its inputs")
 
 
 # ------------------------------------------------------------------ sockets

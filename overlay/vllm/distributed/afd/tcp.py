@@ -17,15 +17,16 @@ With ``connector_extra_config.ffn_failover`` (FFN replicas, each holding every
 expert) an FFN rank also serves, as a guest, an attention rank of another replica
 whose hello says it fails over here, until that rank goes back home.
 
-The ``cuda_ipc`` and ``nccl`` connectors still subclass the two classes here instead of
-being data planes (their step control and group set-up go beyond a plane's hooks). Their
-underscore members used or overridden by those subclasses are protected, not private - the
-subclass hooks: attention side ``_handshake``, ``_rejoin_in_background``, ``_check``,
-``_note_lost``, ``_dead``, ``_closed`` and ``_lock``; FFN side ``_admit``,
-``_accept_device``, ``_poll``, ``_release``, ``_lose``, ``_read_sockets``,
-``_refuse_hello``, ``_ever_complete``, ``_peer``, ``_check`` and ``_lock``. A change of
-one of them is a change of the device connectors too. Nothing outside
-``vllm.distributed.afd`` uses them.
+Every connector is this channel composed with a data plane (``channel_connectors``):
+``gloo`` (sockets), ``nixl``, ``cuda_ipc`` and ``nccl``; none subclasses the channel to
+change it. What a plane of device work needs of the channel (its buffers or communicator
+set up over the handshaken connection, the step's control as device work, a watchdog of
+device waits, the FFN side's polling of device flags, its waits released when a session
+fails) are the plane's documented hooks (``vllm.distributed.afd.plane``). The channel's
+underscore members are its own: nothing outside this module uses them, except the
+watchdog's probe (``_probe``, ``_watchdog``, ``_hold``) and the FFN side's device polling
+(``_device_ready``, ``_check_sockets``, ``_poll_pause``) that the cuda_ipc unit tests
+drive directly.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ from vllm.distributed.afd.channel import (
     send_all,
     send_hello,
     send_some,
+    socket_lost,
     tensor_bytes,
 )
 from vllm.distributed.afd.plane import (
@@ -173,10 +175,16 @@ class TCPAttentionConnector(AttentionConnector):
             self.graph_capable = plane.graph_capable
             self.dbo_capable = plane.dbo_capable
         self.plane = plane if plane is not None else SocketAttentionPlane(ctx)
-        # A plane of device work (nixl on CUDA): a lost FFN rank is rejoined by re-running
-        # the forward whole (vllm.afd.rejoin.run_forward), only on the forward's thread.
+        # A plane of device work (nixl on CUDA, cuda_ipc with ipc_rejoin): a lost FFN rank
+        # is rejoined by re-running the forward whole (vllm.afd.rejoin.run_forward), only
+        # on the forward's thread.
         self.reruns_forward = self.plane.reruns_forward
-        self.checks_every_forward = self.plane.reruns_forward
+        checks = self.plane.checks_every_forward
+        self.checks_every_forward = self.plane.reruns_forward if checks is None else checks
+        # A device session (AttentionPlane.device_session): its watchdog thread, and a
+        # loss it holds for run_forward (``_hold``).
+        self._watch: threading.Thread | None = None
+        self._held = False
         # The lane (micro-batch) of this thread's messages, set by its begin_step.
         self._lanes = threading.local()
         self._control_step = 0  # step ids of the control messages the plane sends on
@@ -209,6 +217,10 @@ class TCPAttentionConnector(AttentionConnector):
         # while idle; the attention role sets it to end the process (vllm.afd.failure
         # exit_now), as a lost FFN rank ends the engine when no step is there to fail.
         self.on_failure: Callable[[str], None] = lambda msg: None
+        if self.plane.device_session:
+            # The watchdog ends the process on a loss by default (the GPU stream may be
+            # stuck behind a device wait); tests replace it.
+            self.on_failure = failure.exit_now
 
     # -- connection ------------------------------------------------------
     def connect(self) -> None:
@@ -220,6 +232,9 @@ class TCPAttentionConnector(AttentionConnector):
             self._attach(sock, offer)
         self._hb = threading.Thread(target=self._heartbeat_loop, name="afd-heartbeat", daemon=True)
         self._hb.start()
+        if self.plane.device_session:
+            self._watch = threading.Thread(target=self._watchdog, name="afd-watch", daemon=True)
+            self._watch.start()
         logger.info("AFD: attention rank %d connected to %s", self.ctx.rank, self.peer)
 
     def _establish(
@@ -272,28 +287,38 @@ class TCPAttentionConnector(AttentionConnector):
 
     def _plane_lost(self, why: str) -> None:
         """The plane found the session failed (a device wait that timed out, a transfer
-        that failed): the FFN rank is lost as if its connection had closed."""
+        that failed): the FFN rank is lost as if its connection had closed, and the
+        connection is shut down (the FFN rank ends the session at once)."""
         with self._lock:
-            self._note_lost(why)
+            self._fail(AFDPeerError(why), "the data plane")
 
     # -- forwards re-run whole (planes with reruns_forward) ----------------------------
     @property
     def can_rejoin(self) -> bool:
         """The layer-level rejoin of vllm.afd.rejoin; with ``reruns_forward`` only where
-        losses are held (a forward is then re-run whole instead)."""
+        losses are held (a forward is then re-run whole instead); never where the plane
+        cannot rejoin (``AttentionPlane.rejoins``)."""
+        if not self.plane.rejoins:
+            return False
         return self.holds_losses() if self.reruns_forward else True
 
     def holds_losses(self) -> bool:
-        return (self.reruns_forward and self.forwards_guarded
+        """A loss is held for a re-run of the forward (not fatal): the plane re-runs
+        forwards and can rejoin, the window is not 0, and the forwards run under
+        run_forward (which checks each one before its output is used)."""
+        return (self.reruns_forward and self.forwards_guarded and self.plane.rejoins
                 and self.ctx.config.rejoin_window_s > 0)  # fmt: skip
 
     def step_lost(self) -> str | None:
         """After a forward (its device work waited for): why the FFN rank was lost during
         it (the channel's loss, or the plane's: a wait that timed out), None when clean."""
         lost = self.plane.step_lost()
-        if lost is not None:
+        if lost is not None and self.plane.device_session:
+            if self._dead is None:
+                self._hold(lost)
+        elif lost is not None:
             with self._lock:
-                self._note_lost(lost)
+                self._fail(AFDPeerError(lost), "the data plane")
         return self._dead
 
     def _attach(self, sock: socket.socket, offer: object) -> None:
@@ -337,6 +362,7 @@ class TCPAttentionConnector(AttentionConnector):
                 self._step = None
                 self._in_step = False
                 self._dead = None
+                self._held = False  # a device session's watchdog watches again
                 outage = time.monotonic() - self._lost_at
                 self._lost_at = None
             metrics.STATS.record({"rejoins": 1, "outage_seconds": outage})
@@ -672,7 +698,8 @@ class TCPAttentionConnector(AttentionConnector):
             self._dead = why
             logger.error("AFD: %s", why)
             self.plane.lost(why)  # device waits on the peer end now
-            if self.plane.reruns_forward and not self.holds_losses():
+            if (self.plane.reruns_forward and not self.plane.device_session
+                    and not self.holds_losses()):  # fmt: skip
                 # A pass of device work cannot fail part-way: without a held re-run the
                 # engine ends (as a lost peer without rejoin does), naming the loss.
                 failure.record("attention", self.ctx.rank, why)
@@ -708,12 +735,16 @@ class TCPAttentionConnector(AttentionConnector):
         counts of the others, ``ubatch_tokens``, are not needed). Refused while
         another step is open (end_step not called: a step failed part-way)."""
         self._lanes.lane = ubatch[0] if ubatch is not None else 0
+        if self.plane.device_session:  # the plane orders its steps on the device
+            self._check()
+            self.plane.open_step(num_tokens, ubatch, ubatch_tokens)
+            return
         if self.plane.carries_control:  # device work, sent on by the plane
             self._check()
             flags = ubatch_flags(*ubatch) if ubatch is not None else 0
             with self._lock:
                 self._open(step_id, ubatch)
-            self.plane.begin_step(num_tokens, flags)
+            self.plane.open_step(num_tokens, ubatch, ubatch_tokens)
             return
         with self._lock:
             sock = self._check()
@@ -744,11 +775,16 @@ class TCPAttentionConnector(AttentionConnector):
         return getattr(self._lanes, "lane", 0)
 
     def send(self, x: torch.Tensor) -> None:
+        if self.plane.device_session:
+            self.plane.send(x, self._lane())
+            return
         self._check()
         with self._fatal("send"):
             self.plane.send(x, self._lane())
 
     def recv(self, out: torch.Tensor) -> torch.Tensor:
+        if self.plane.device_session:
+            return self.plane.recv(out, self._lane())
         self._check()
         with self._fatal("recv"):
             self.plane.recv(out, self._lane())
@@ -757,6 +793,8 @@ class TCPAttentionConnector(AttentionConnector):
     def recv_start(self, out: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start receiving ``out`` in the background, after the receives started
         before it; the returned ``wait()`` gives it (bounded by timeout_s)."""
+        if self.plane.device_session:
+            return self.plane.recv_start(out, self._lane())
         self._check()
         with self._fatal("recv_start"):
             wait_plane = self.plane.recv_start(out, self._lane())
@@ -771,12 +809,65 @@ class TCPAttentionConnector(AttentionConnector):
         return wait
 
     def end_step(self) -> None:
+        if self.plane.device_session:
+            return  # no open step on the host
         with self._lock:
             self._in_step = False
             self._step = None
 
     def is_up(self) -> bool:
         return self.sock is not None and not self._dead
+
+    def shares_device(self) -> bool | None:
+        return self.plane.shares_device()
+
+    # -- the watchdog of a device session (AttentionPlane.device_session) -------------
+    def _watchdog(self) -> None:
+        """Every 0.1 s: the session's connection (EOF of a dead FFN rank is immediate)
+        and the plane's device probe (a wait that gave up). A loss is held where losses
+        are held (``_hold``: run_forward rejoins), else recorded for the engine-death
+        message and the rank ended (``on_failure``)."""
+        if self.ctx.device.type == "cuda":
+            torch.accelerator.set_device_index(self.ctx.device.index or 0)
+        while not self._closed.wait(0.1):
+            if self._held:
+                continue  # held: run_forward rejoins (see _hold)
+            msg = self._dead
+            if msg is None:
+                try:
+                    msg = self._probe()
+                except Exception as e:  # noqa: BLE001 - a blind watchdog fails the rank
+                    msg = (
+                        f"AFD watchdog of the connection to {self.peer} failed "
+                        f"({type(e).__name__}: {e}); this rank could no longer notice a "
+                        "lost or silent FFN rank"
+                    )
+            if msg is not None and self.reruns_forward and self.holds_losses():
+                self._hold(msg)
+                continue
+            if msg is not None:
+                self._dead = msg
+                logger.error("AFD: %s", msg)
+                failure.record("attention", self.ctx.rank, msg)
+                self.on_failure(msg)
+                return
+
+    def _probe(self) -> str | None:
+        sock = self.sock
+        if sock is None:
+            return None
+        lost = socket_lost(sock)
+        if lost is not None:
+            return None if self.sock is None else f"lost AFD peer {self.peer}: {lost}"
+        return self.plane.probe()
+
+    def _hold(self, msg: str) -> None:
+        """The FFN rank is lost: note it (the forward's check sees it) and release this
+        rank's own device waits (``AttentionPlane.hold``), so that a replay in flight
+        ends now instead of after timeout_s; its output is discarded."""
+        self._note_lost(msg)
+        self._held = True
+        self.plane.hold()
 
     def profile(self, is_start: bool) -> None:
         with self._lock:
@@ -807,7 +898,8 @@ class TCPFFNConnector(FFNConnector):
     survives_peer_loss = True
     # Receives and sends are posted and the sockets of all attention ranks pumped
     # together (post_recv, post_send, pump): no rank waits on another rank's bytes. With
-    # a data plane of the channel's own connection (FFNPlane.in_channel: sockets) only.
+    # a data plane of the channel's own connection (FFNPlane.in_channel: sockets), or of
+    # one whose messages are posted and checked without waiting (FFNPlane.polled: nixl).
     async_io = True
     # A rank that had a step within ACTIVE_S is waited for (up to the batch
     # window, connector_extra_config.batch_window_ms, default 5) to join a step.
@@ -818,6 +910,10 @@ class TCPFFNConnector(FFNConnector):
     # accept() failing (EMFILE, ENFILE, ENOBUFS...): wait this long before the
     # next try, doubling up to the second value, instead of spinning.
     ACCEPT_BACKOFF_S = (0.1, 1.0)
+    # Step control by the plane (FFNPlane.polls_steps): polls back to back for HOT_S
+    # after a step, then every IDLE_POLL_S (with the plane's hot_poll).
+    HOT_S = 0.5
+    IDLE_POLL_S = 200e-6
 
     def __init__(self, ctx: ConnectorContext, plane: FFNPlane | None = None):
         super().__init__(ctx)
@@ -825,7 +921,12 @@ class TCPFFNConnector(FFNConnector):
             self.graph_capable = plane.graph_capable
             self.dbo_capable = plane.dbo_capable
         self.plane = plane if plane is not None else SocketFFNPlane(ctx)
-        self.async_io = type(self).async_io and self.plane.in_channel
+        self.async_io = type(self).async_io and (self.plane.in_channel or self.plane.polled)
+        self._plane_moved = time.monotonic()  # a polled plane's last post or arrival
+        self._unread: set[int] = set()  # ids of peers with bytes not yet wanted (_watch_eof)
+        self.ubatch_controls_upfront = self.plane.ubatch_controls_upfront
+        self.hot_poll = self.plane.hot_poll
+        self._last_step = float("-inf")  # the last step the plane's poll found
         cfg = ctx.config
         self.batch_window = float(cfg.connector_extra_config.get("batch_window_ms", 5.0)) / 1e3
         self.expected = set(cfg.attention_ranks_of(ctx.rank))
@@ -858,7 +959,14 @@ class TCPFFNConnector(FFNConnector):
         self._log_refused = LogThrottle()
         self._log_accept_error = LogThrottle()
 
+    @property
+    def generation(self) -> int:
+        """Bumped by the plane whenever a session's device buffers are new (the FFN
+        runner drops the CUDA graphs captured before)."""
+        return self.plane.generation
+
     def start(self) -> None:
+        self.plane.start()
         host, port = self.addr
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -1239,12 +1347,79 @@ class TCPFFNConnector(FFNConnector):
         return ready
 
     def _poll(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
+        if self.plane.polls_steps:
+            return self._poll_plane(peers, timeout)
         # Peers that said goodbye meanwhile are gone (their sockets closed).
         peers = [p for p in peers if self.peers.get(p.rank) is p]
         if not peers:
             time.sleep(min(timeout, 0.05))
             return []
         return self._read_sockets(peers, timeout)
+
+    # -- step control by the plane (FFNPlane.polls_steps) ----------------------------
+    def _poll_plane(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
+        """The step-control messages of ``peers`` from the plane (device flags), waiting
+        up to ``timeout``; their connections are checked every 5 ms meanwhile."""
+        deadline = time.monotonic() + timeout
+        last_sock_check = 0.0
+        while True:
+            # Peers that left (goodbye) or were dropped meanwhile are gone.
+            peers = [p for p in peers if self.peers.get(p.rank) is p]
+            if not peers:
+                time.sleep(min(timeout, 0.05))
+                return []
+            ready = self._device_ready(peers)
+            if ready:
+                now = self._last_step = time.monotonic()
+                got = {r.rank for r in ready}
+                for p in peers:
+                    if p.rank in got:
+                        p.last_seen = now
+                return ready
+            now = time.monotonic()
+            if now - last_sock_check > 0.005:
+                last_sock_check = now
+                self._check_sockets(peers)
+            if now >= deadline:
+                return []
+            time.sleep(self._poll_pause(now))
+
+    def _poll_pause(self, now: float) -> float:
+        """Seconds between two polls of the plane: none while steps flow (the FFN rank
+        has nothing else to do then; a poll is a small copy and a stream sync, and the
+        time the host takes to notice a step is on the step's path), IDLE_POLL_S once
+        HOT_S passed without a step; 20 us always without the plane's hot_poll."""
+        if not self.hot_poll:
+            return 20e-6
+        return 0.0 if now - self._last_step < self.HOT_S else self.IDLE_POLL_S
+
+    def _check_sockets(self, peers: list[Peer]) -> None:
+        """Heartbeats, goodbyes and profiler requests; steps come by the plane. A lost
+        (closed, silent) rank is dropped there, its device waits released."""
+        for step in self._read_sockets(peers, 0):
+            p = next(p for p in peers if p.rank == step.rank)
+            self._lose(p, f"AFD {p.name} broke the protocol: step control over TCP with "
+                       f"the {self.ctx.config.connector} connector")  # fmt: skip
+
+    def _device_ready(self, peers: list[Peer]) -> list[StepPeer]:
+        """The new step-control messages of ``peers`` (``FFNPlane.poll_steps``). A
+        session the plane found failed (its device wait gave up, a broken protocol) ends
+        alone; the others are served on."""
+        by_rank = {p.rank: p for p in peers}
+        ready = []
+        for rank, ctrl, why in self.plane.poll_steps([(p.rank, p.name) for p in peers]):
+            p = by_rank[rank]
+            if why is not None:
+                self._end_session(p, why)
+            else:
+                ready.append(StepPeer(rank, ctrl, p))
+        return ready
+
+    def _end_session(self, p: Peer, why: str) -> None:
+        """Release this rank's device waits and close its connection (its attention
+        server sees EOF and ends or rejoins); the FFN rank serves the others."""
+        logger.error("AFD: %s; its session ends, the other attention ranks are served on", why)
+        self._lose(p, why)
 
     def _read_sockets(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
         """The step-control messages of ``peers``, waiting up to ``timeout`` for one while
@@ -1299,9 +1474,18 @@ class TCPFFNConnector(FFNConnector):
             if due is not None:
                 wake = min(wake, due)
         between = only is None
-        ready = poll_io([(p.sock, p.reading(between) is not None, bool(p.tx)) for p in peers],
-                        max(0.0, wake - now))  # fmt: skip
-        event = False
+        wants = [(p.sock, p.reading(between) is not None, bool(p.tx)) for p in peers]
+        if self.plane.polled and self._plane_owed(peers):
+            wants = [(sock, read or self._watch_eof(p, between), write)
+                     for p, (sock, read, write) in zip(peers, wants)]  # fmt: skip
+            ready = self._poll_capped(wants, max(0.0, wake - now))
+            event = self._poll_plane(peers)
+            for p, (can_read, _) in zip(peers, ready):
+                if can_read and p.reading(between) is None and self.peers.get(p.rank) is p:
+                    event |= self._peek_eof(p)
+        else:
+            ready = poll_io(wants, max(0.0, wake - now))
+            event = False
         for p, (can_read, can_write) in zip(peers, ready):
             if self.peers.get(p.rank) is not p:
                 continue  # dropped meanwhile (a goodbye)
@@ -1326,7 +1510,7 @@ class TCPFFNConnector(FFNConnector):
         byte either way (or the post of a message) while a posted message has not arrived
         or queued bytes are not taken; between steps timeout_s after the last byte it sent
         (heartbeats come every second). None while it waits for this side only."""
-        if p.tx or p.owes():
+        if p.tx or p.owes() or p.sends:
             return p.progress + self.timeout
         if p.rx or p.held:
             return None
@@ -1335,8 +1519,10 @@ class TCPFFNConnector(FFNConnector):
     def _overdue(self, p: Peer) -> str:
         if p.tx:
             return f"AFD peer {p.name} stopped reading (send timed out)"
-        if p.rx:
+        if p.owes():
             return f"AFD peer {p.name} did not answer within the timeout"
+        if p.sends:
+            return f"AFD peer {p.name} did not take its layer output (send timed out)"
         return f"lost AFD {p.name}: nothing received for {self.timeout:g} s"
 
     def _read(self, p: Peer, between_steps: bool = True) -> bool:
@@ -1402,11 +1588,98 @@ class TCPFFNConnector(FFNConnector):
             return None
         return ctrl
 
+    # -- a polled data plane (FFNPlane.polled: nixl) --------------------------
+    def _plane_owed(self, peers: list[Peer]) -> bool:
+        """A message or a send of the polled plane is outstanding for one of ``peers``."""
+        return any(p.sends or any(m.check is not None and not m.arrived for m in p.rx)
+                   for p in peers)  # fmt: skip
+
+    def _watch_eof(self, p: Peer, between: bool) -> bool:
+        """While ``p`` owes only messages of the polled plane its socket is not read (a
+        frame there belongs to later); watched for EOF or an error all the same (the rank
+        ended its session: a failed step shuts its connection down), unless bytes of a
+        frame wait there unread."""
+        if p.reading(between) is not None:
+            self._unread.discard(id(p))
+            return False
+        return bool(p.rx) and id(p) not in self._unread
+
+    def _peek_eof(self, p: Peer) -> bool:
+        """The socket of ``p`` is readable while none of its bytes are wanted: EOF or an
+        error loses the session now (True when it had messages posted); bytes of a later
+        frame are left there, and the socket unwatched until they are wanted."""
+        try:
+            data = p.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as e:
+            why = f"lost AFD {p.name} during a step: {e}"
+        else:
+            if data:
+                self._unread.add(id(p))
+                return False
+            why = f"lost AFD {p.name} during a step: it closed the connection"
+        in_step = bool(p.rx)
+        self._lose(p, why)
+        if not self.survives_peer_loss:
+            raise AFDPeerError(why)
+        return in_step
+
+    def _poll_capped(self, wants: list, wait: float) -> list[tuple[bool, bool]]:
+        """poll_io while the polled plane has messages outstanding: its arrivals cannot be
+        select()ed, so the sockets (controls, EOF) are waited for no longer than the plane
+        says (FFNPlane.idle_wait), then the pump checks the plane again."""
+        wait = min(wait, self.plane.idle_wait(time.monotonic() - self._plane_moved))
+        if wait >= 0.001:
+            return poll_io(wants, wait)
+        ready = poll_io(wants, 0.0)
+        if wait > 0 and not any(r or w for r, w in ready):
+            time.sleep(wait)
+        return ready
+
+    def _poll_plane(self, peers: list[Peer]) -> bool:
+        """One round of the polled plane: drive its transfers, then finish the posted
+        messages that arrived and forget the sends that completed, of every rank at once.
+        True when a posted message arrived or a rank with one posted was lost (its own
+        session only: AFDPeerError of its checks)."""
+        self.plane.progress()
+        event = moved = False
+        for p in peers:
+            if self.peers.get(p.rank) is not p:
+                continue
+            try:
+                arrived = False
+                for m in p.rx:
+                    arrived |= m.poll()
+                n = len(p.sends)
+                if n:
+                    p.sends = type(p.sends)(done for done in p.sends if not done())
+                if arrived or len(p.sends) < n:
+                    p.last_seen = p.progress = time.monotonic()
+                    moved = True
+                event |= arrived
+            except AFDPeerError as e:
+                in_step = bool(p.rx)
+                self._lose(p, str(e))
+                event |= in_step
+                if not self.survives_peer_loss:
+                    raise
+        if moved:
+            self._plane_moved = time.monotonic()
+        return event
+
     # -- posted I/O of a step (async_io) -------------------------------------
     def post_recv(self, peer: StepPeer, out: torch.Tensor) -> None:
         """Receive this peer's next message (a layer input) into ``out`` as its bytes
-        arrive; :meth:`arrived` tells when, :meth:`take` finishes it."""
-        self._post(self._peer(peer), Inbound.tensor(out))
+        arrive; :meth:`arrived` tells when, :meth:`take` finishes it. With a polled data
+        plane the message is the plane's (on the lane of the peer's micro-batch)."""
+        p = self._peer(peer)
+        if self.plane.polled:
+            lane = ubatch_of(peer.control.flags)[0]
+            self._post(p, Inbound.polled(self.plane.recv_posted(self._link(p), out, lane)))
+            self._plane_moved = time.monotonic()
+            return
+        self._post(p, Inbound.tensor(out))
 
     def post_control(self, peer: StepPeer) -> None:
         """Receive the control message of this peer's next micro-batch (DBO); :meth:`take`
@@ -1437,8 +1710,21 @@ class TCPFFNConnector(FFNConnector):
 
     def post_send(self, peer: StepPeer, y: torch.Tensor) -> None:
         """Send this peer's layer output: what its socket takes now, the rest as it reads
-        (:meth:`pump`); never waits."""
+        (:meth:`pump`); never waits. With a polled data plane the plane sends it, and
+        the pump sees it complete."""
         p = self._peer(peer)
+        if self.plane.polled:
+            lane = ubatch_of(peer.control.flags)[0]
+            try:
+                done = self.plane.send_posted(self._link(p), y, lane)
+            except AFDPeerError as e:
+                self._lose(p, str(e))
+                raise
+            if not p.sends:
+                p.progress = time.monotonic()
+            p.sends.append(done)
+            self._plane_moved = time.monotonic()
+            return
         host = y.contiguous() if y.device.type == "cpu" else y.contiguous().cpu()
         view = tensor_bytes(host)
         if not len(view):
@@ -1464,7 +1750,10 @@ class TCPFFNConnector(FFNConnector):
 
     def recv_control(self, peer: StepPeer) -> Control:
         """The next step-control message of this peer, within timeout_s (a later
-        micro-batch of the step being served)."""
+        micro-batch of the step being served); from the counts micro-batch 0 announced
+        where the plane has them (``ubatch_controls_upfront``: no wait)."""
+        if self.plane.ubatch_controls_upfront:
+            return self.plane.recv_control(peer.rank, peer.control)
         p = self._peer(peer)
         self.post_control(peer)
         self._wait(p, lambda: not p.owes(), f"lost AFD {p.name} during a micro-batched step")
@@ -1516,6 +1805,7 @@ class TCPFFNConnector(FFNConnector):
         self._drop(p)
         p.rx.clear()
         p.tx.clear()
+        p.sends.clear()
         if self.survives_peer_loss:
             logger.warning(
                 "AFD: FFN rank %d lost attention rank %d (%s); serving the other attention "
@@ -1525,7 +1815,8 @@ class TCPFFNConnector(FFNConnector):
 
     def _release(self, p: Peer) -> None:
         """Before a lost session is dropped: free what its rank's steps may still
-        wait on (none here)."""
+        wait on (the plane's device waits, ``FFNPlane.release``)."""
+        self.plane.release(self._link(p))
 
     def drop_peer(self, peer: StepPeer, why: str) -> None:
         p = peer.session if isinstance(peer.session, Peer) else self.peers.get(peer.rank)
@@ -1541,15 +1832,42 @@ class TCPFFNConnector(FFNConnector):
 
     def recv(self, peer: StepPeer, out: torch.Tensor) -> None:
         """This peer's layer input, waiting for it alone (with async_io the runner posts
-        instead): posted on the channel's connection, or the data plane's receive."""
+        instead): posted on the channel's connection, or the data plane's receive (with
+        ``FFNPlane.polls_inputs``, outside a CUDA graph capture, once the input arrived:
+        ``_await_input``)."""
         p = self._peer(peer)
         if not self.async_io:
-            self.plane.recv(self._link(p), out, ubatch_of(peer.control.flags)[0])
+            lane = ubatch_of(peer.control.flags)[0]
+            if self.plane.polls_inputs and not _capturing(out):
+                self._await_input(p, lane)
+            self.plane.recv(self._link(p), out, lane)
             p.last_seen = time.monotonic()
             return
         self.post_recv(peer, out)
         self._wait(p, lambda: not p.owes())
         self.take(peer)
+
+    def _await_input(self, p: Peer, lane: int) -> None:
+        """Wait on the host until the plane has the next layer input of ``p`` (its
+        receive then waits for nothing on the device), checking the connection every
+        5 ms (EOF, goodbye). AFDPeerError naming the rank when it does not come within
+        timeout_s: the runner drops that rank alone (its waits released) and serves the
+        other ranks of the pass on, instead of a device wait of up to timeout_s per
+        remaining layer holding them all."""
+        link = self._link(p)
+        deadline = time.monotonic() + self.timeout
+        last_sock_check = time.monotonic()
+        while not self.plane.input_ready(link, lane):
+            now = time.monotonic()
+            if now >= deadline:
+                raise AFDPeerError(f"AFD {p.name} did not send layer data within "
+                                   f"timeout_s={self.timeout:g}")  # fmt: skip
+            if now - last_sock_check > 0.005:
+                last_sock_check = now
+                self._check_sockets([p])
+                if self.peers.get(p.rank) is not p:
+                    raise AFDPeerError(p.why or f"lost AFD {p.name} during a step")
+            time.sleep(0.0 if self.hot_poll else 20e-6)
 
     def send(self, peer: StepPeer, y: torch.Tensor) -> None:
         """This peer's layer output, until its socket took all of it (or the plane's)."""
@@ -1558,9 +1876,10 @@ class TCPFFNConnector(FFNConnector):
             self.plane.send(self._link(p), y, ubatch_of(peer.control.flags)[0])
             return
         self.post_send(peer, y)
-        self._wait(p, lambda: not p.tx)
+        self._wait(p, lambda: not p.tx and not p.sends)
 
     def close(self) -> None:
+        self.plane.release(None)  # device waits of every session end now
         self._stop.set()
         if self.listener is not None:
             self.listener.close()
@@ -1579,10 +1898,15 @@ register_connector("gloo", TCPAttentionConnector, TCPFFNConnector)
 
 
 def channel_connectors(
-    attention_plane: type[AttentionPlane], ffn_plane: type[FFNPlane], name: str
+    attention_plane: type[AttentionPlane],
+    ffn_plane: type[FFNPlane],
+    name: str,
+    exposes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
 ) -> tuple[type[TCPAttentionConnector], type[TCPFFNConnector]]:
     """The connector classes of a data plane: the control channel composed with the
-    plane's two sides. They add nothing but the plane (and its declared capabilities)."""
+    plane's two sides. They add nothing but the plane (and its declared capabilities)
+    and, read and written through to it, the plane members named in ``exposes``
+    (attention side, FFN side): the names its tests and tools reach the plane's state by."""
 
     def init_attention(self, ctx: ConnectorContext) -> None:
         TCPAttentionConnector.__init__(self, ctx, attention_plane(ctx))
@@ -1594,12 +1918,26 @@ def channel_connectors(
         f"{name}AttentionConnector",
         (TCPAttentionConnector,),
         {"__init__": init_attention, "graph_capable": attention_plane.graph_capable,
-         "dbo_capable": attention_plane.dbo_capable, "plane_class": attention_plane},
+         "dbo_capable": attention_plane.dbo_capable, "plane_class": attention_plane,
+         **{m: _plane_member(m) for m in exposes[0]}},
     )  # fmt: skip
     ffn = type(
         f"{name}FFNConnector",
         (TCPFFNConnector,),
         {"__init__": init_ffn, "graph_capable": ffn_plane.graph_capable,
-         "dbo_capable": ffn_plane.dbo_capable, "plane_class": ffn_plane},
+         "dbo_capable": ffn_plane.dbo_capable, "plane_class": ffn_plane,
+         "ubatch_controls_upfront": ffn_plane.ubatch_controls_upfront,
+         **{m: _plane_member(m) for m in exposes[1]}},
     )  # fmt: skip
     return attention, ffn
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _plane_member(name: str) -> property:
+    """The plane's member ``name``, read and written through the connector."""
+    return property(lambda self: getattr(self.plane, name),
+                    lambda self, value: setattr(self.plane, name, value),
+                    doc=f"The data plane's ``{name}``.")  # fmt: skip
