@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import engine_fork
 import pytest
 from oracle_lib import PROMPTS, write_prompts
 
@@ -89,9 +90,19 @@ class AfdProc:
         for name in cpu_shm_files(self.vllm_port):
             Path("/dev/shm", name).unlink(missing_ok=True)
         prefix = ["ip", "netns", "exec", netns] if netns else []
-        cmd = [*prefix, sys.executable, str(AFD_PROC), mode, "--model", str(model), *args]
+        argv = [mode, "--model", str(model), *args]
+        cmd = [*prefix, sys.executable, str(AFD_PROC), *argv]
         self.log.unlink(missing_ok=True)  # the log holds this process only
-        self.p = su.start_process(cmd, self.log, self.env)
+        # On the CPU, outside a namespace: forked from the engine fork server, which has
+        # imported vLLM once (engine_fork.py); else, or where it cannot, a new process.
+        forked = None
+        if device == "cpu" and not netns:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            self.log.write_text("$ (forked) " + " ".join(cmd) + "\n")
+            forked = engine_fork.start(argv, self.env, self.log)
+            if forked is None:
+                self.log.unlink()
+        self.p = forked or su.start_process(cmd, self.log, self.env)
 
     @property
     def pid(self) -> int:
