@@ -40,8 +40,11 @@ HERE = Path(__file__).resolve().parent
 MODELS_DIR = Path(os.environ.get("AFD_MODELS_DIR", HERE.parents[1] / "build" / "models"))
 MODEL = "deepseek_v2_mla"
 ENV = {"CUDA_VISIBLE_DEVICES": su.cuda_visible_devices("0", "0", "cuda_ipc")}
-GPU_ARGS = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.2", "--max-num-seqs", "4",
-            "--seed", "0", "--no-enable-prefix-caching"]  # fmt: skip
+# Three engines on one GPU: each gets a fixed KV cache size (an engine that sizes its cache by
+# profiling counts the others' allocations as its own and finds no memory left for it).
+GPU_ARGS = ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.12", "--max-num-seqs", "4",
+            "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0",
+            "--no-enable-prefix-caching"]  # fmt: skip
 ATTENTION_TIMEOUT_S = 60.0  # the attention servers' (they dial the FFN server as it starts)
 FFN_TIMEOUT_S = 1.5  # the FFN server's: a stopped rank's deadline
 STALL_BOUND_S = 2.0  # the longest pause of rank 0's streams while rank 1 is stopped
