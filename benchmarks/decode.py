@@ -68,6 +68,7 @@ from serve_util import (  # noqa: E402
     cuda_visible_devices,
     dummy_routing_note,
     free_port,
+    install_cleanup,
     median_run,
     rounds_of,
     routing_env,
@@ -660,6 +661,9 @@ def main() -> int:
         return run_generate(a)
     if a._role == "ffn":
         return run_ffn(a)
+    # SIGTERM (run_gpu.sh's `timeout`) unwinds the sweep: its engines (each in a session
+    # of its own) are stopped and the MPS control daemon is told to quit.
+    install_cleanup()
     batches, routings, modes = check_sweep(p, a)
     print_header(a, batches, routings, modes)
     results = run_sweep(a, common_args(a), batches, routings, modes)

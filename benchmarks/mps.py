@@ -17,10 +17,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,30 +114,22 @@ def log_tail(log_dir: str, n: int = 10) -> str:
     return "\n" + "\n".join(f"  {line}" for line in lines)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 @contextlib.contextmanager
 def daemon(enabled: bool) -> Iterator[dict[str, str]]:
     """MPS for the duration of the block when ``enabled`` (its environment, to pass to
-    every child), else nothing ({})."""
+    every child), else nothing ({}). The daemon is told to quit when the block unwinds: a
+    caller bounded by run_gpu.sh's `timeout` turns SIGTERM into SystemExit
+    (serve_util.install_cleanup, as benchmarks/decode.py and serve.py do); otherwise the
+    daemon outlives the run and the next ``-d`` fails ("An instance of this daemon is
+    already running")."""
     if not enabled:
         yield {}
         return
     env = start()
     print(f"MPS: control daemon started (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
-    # A run ended by SIGTERM (run_gpu.sh's `timeout` around a benchmark) still stops the
-    # daemon: the signal unwinds the block. Otherwise the daemon outlives the run and the
-    # next `-d` fails ("An instance of this daemon is already running").
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         yield env
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
         try:
             stop(env)
             print("MPS: control daemon stopped", flush=True)

@@ -1,5 +1,7 @@
-"""benchmarks/mps.py: the MPS control daemon is told to quit when a benchmark run ends by
-SIGTERM (run_gpu.sh bounds each benchmark with `timeout`), not only when it returns."""
+"""benchmarks/decode.py --mps: the MPS control daemon (benchmarks/mps.py) is told to quit
+when the sweep ends by SIGTERM (run_gpu.sh bounds each benchmark with `timeout`), not only
+when it returns: the sweep turns SIGTERM into SystemExit (serve_util.install_cleanup) and
+the daemon's block unwinds."""
 
 from __future__ import annotations
 
@@ -20,28 +22,41 @@ read cmd
 echo "$cmd" >> "$AFD_FAKE_MPS_LOG"
 """
 
+# decode.py's sweep with a stand-in for one measurement (an engine start): it says it runs
+# and waits, as a start does.
 RUN = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[1])
-    import mps
-    with mps.daemon(True):
+    import decode
+
+    def measure(*args, **kwargs):
         print("running", flush=True)
         time.sleep(60)
+
+    decode.measure = measure
+    sys.argv = ["decode.py", "--model", sys.argv[2], "--device", "cuda", "--mps",
+                "--modes", "plain", "--batch", "1"]
+    sys.exit(decode.main())
 """)
 
 
-def test_sigterm_during_a_run_stops_the_daemon(tmp_path):
+def test_sigterm_during_a_sweep_stops_the_daemon(tmp_path):
     control = tmp_path / "nvidia-cuda-mps-control"
     control.write_text(FAKE_CONTROL)
     control.chmod(0o755)
     log = tmp_path / "control.log"
     env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
            "AFD_FAKE_MPS_LOG": str(log)}  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", RUN, str(BENCH)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", RUN, str(BENCH), str(tmp_path / "model")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
     try:
-        assert proc.stdout.readline().strip().endswith("(pipe /tmp/afd-mps-pipe)")
-        assert proc.stdout.readline().strip() == "running"
+        lines = []
+        while not lines or lines[-1] != "running":
+            line = proc.stdout.readline()
+            assert line, (lines, proc.communicate(timeout=30)[1])
+            lines.append(line.strip())
+        assert any(x.endswith("(pipe /tmp/afd-mps-pipe)") for x in lines), lines
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
     finally:
