@@ -53,10 +53,13 @@ from pathlib import Path
 
 FORWARD = "gpu_model_runner: forward"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-# The cuda_ipc connector's kernels (overlay/vllm/distributed/afd/ipc_kernels.py).
+# The connectors' kernels: cuda_ipc's (overlay/vllm/distributed/afd/ipc_kernels.py) and
+# the nixl device path's (nixl_device.py: the copies into and out of the registered slots
+# and the doorbell are transfer, its wait on the reply flag is waiting).
 WAIT_KERNELS = ("_wait_kernel",)
 CONTROL_KERNEL = "_control_kernel"
-SIGNAL_KERNELS = ("_signal_kernel", CONTROL_KERNEL)
+SIGNAL_KERNELS = ("_signal_kernel", CONTROL_KERNEL, "_ring_kernel", "_copy_to_slot_kernel",
+                  "_copy_from_slot_kernel")
 
 
 class TraceError(RuntimeError):

@@ -129,7 +129,8 @@ def serve_ffn(args) -> int:
     runner.stop()
     del llm
     print(f"AFD-FFN-STOPPED steps={runner.steps_served} batched={runner.batched_steps} "
-          f"ubatched={runner.ubatched_steps} pingpong={runner.pingpong_steps}", flush=True)
+          f"ubatched={runner.ubatched_steps} pingpong={runner.pingpong_steps} "
+          f"graphs={runner.graph_replays} layer_graphs={runner.layer_graph_replays}", flush=True)
     os._exit(0)
 
 

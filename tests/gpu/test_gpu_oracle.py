@@ -326,6 +326,9 @@ def test_gpu_oracle_nixl(case, tmp_path, procs):
     counts = ffn_stopped_counts(ffns[0])
     if case == "dbo":
         assert counts["ubatched"] > counts["steps"] // 2, counts
+    # The FFN rank's host drives nixl: it replays graphs of the layers' blocks (each layer
+    # at a token count it served before), not of whole steps.
+    assert counts["graphs"] == 0 and counts["layer_graphs"] > counts["steps"], counts
     print(f"ORACLE {name} nixl {mode} {case} runner={RUNNER}: tokens identical, "
           f"max |logprob diff| {worst:.3g}, {counts}")
 

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
@@ -154,6 +155,17 @@ class AutoSchedule:
     def record(self, key: tuple, schedule: str, period: float) -> None:
         if key in self.periods:
             self.periods[key][schedule].append(period)
+
+
+@dataclass
+class _LayerGraph:
+    """A CUDA graph of one layer's block at one token count, and its buffers: the rows
+    (and router logits) it reads, the output it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    x: torch.Tensor
+    logits: torch.Tensor | None
+    out: torch.Tensor
 
 
 def split_passes(ready: list, max_tokens: int) -> list[list]:
@@ -368,6 +380,19 @@ class FFNModelRunner:
         self._graph_gen = -1
         self._graph_pool = None
         self.graph_replays = 0
+        # With a data plane the host drives (gloo, nixl: no step graph), the FFN rank
+        # replays CUDA graphs of each layer's block instead: a (layer, token count) that
+        # recurs is captured (_layer_graph). Eager, a MoE block's launches took the host
+        # longer than its kernels took the device at decode sizes.
+        self.layer_graphs_enabled = (
+            self.device.type == "cuda"
+            and not self.connector.graph_capable
+            and bool(extra.get("ffn_cuda_graphs", True))
+            and self.group is None
+        )
+        self.layer_graphs: dict[tuple[int, int], _LayerGraph] = {}
+        self._layer_seen: dict[tuple[int, int], int] = {}
+        self.layer_graph_replays = 0
         # Several attention ranks on this FFN rank (a guest too, ffn_failover): each
         # pass's device work ends before the next pass is chosen (see _settle).
         self._settle_passes = settles_passes(self.device.type, ranks)
@@ -669,7 +694,16 @@ class FFNModelRunner:
 
     def _block(self, layer_idx: int, module, x: torch.Tensor, logits) -> torch.Tensor:
         """The FFN block of layer ``layer_idx`` on rows ``x`` (router logits ``logits``
-        when the gate runs on the attention role)."""
+        when the gate runs on the attention role): a replay of its layer graph when there
+        is one (layer_graphs_enabled), else eager."""
+        if self.layer_graphs_enabled and not torch.cuda.is_current_stream_capturing():
+            y = self._layer_graph(layer_idx, module, x, logits)
+            if y is not None:
+                return y
+        return self._block_eager(layer_idx, module, x, logits, self._sync_timing)
+
+    def _block_eager(self, layer_idx: int, module, x: torch.Tensor, logits,
+                     sync: bool) -> torch.Tensor:  # fmt: skip
         from vllm.forward_context import set_forward_context
 
         router = self.gates.get(layer_idx)
@@ -677,9 +711,67 @@ class FFNModelRunner:
             None, self.vllm_config, num_tokens=x.shape[0]
         ):
             y = module(x) if router is None else router.forward(module, x, logits)
-            if self._sync_timing:
+            if sync:
                 torch.cuda.current_stream().synchronize()
         return y
+
+    def _layer_graph(self, layer_idx: int, module, x: torch.Tensor, logits) -> torch.Tensor | None:
+        """The block's output from a replay of the graph of (layer, token count), captured
+        the second time that pair is served; None when it is served eagerly. The output
+        is the graph's own buffer, rewritten by its next replay: every sender copies it
+        out on this stream (or to the host) before that replay is enqueued."""
+        key = (layer_idx, x.shape[0])
+        g = self.layer_graphs.get(key)
+        if g is None:
+            seen = self._layer_seen.get(key, 0) + 1
+            if len(self._layer_seen) >= GRAPH_SEEN_MAX:  # token counts of past prefills
+                self._layer_seen.clear()
+            self._layer_seen[key] = seen
+            if (
+                seen < 2
+                or x.shape[0] > self.graph_max_tokens
+                or len(self.layer_graphs) >= self.graph_max_count * len(self.modules)
+                or self.profiler is not None
+            ):
+                return None
+            g = self._capture_layer(key, module, x, logits)
+            if g is None:
+                return None
+        with record_function("afd.ffn_compute"):
+            g.x.copy_(x)
+            if g.logits is not None:
+                g.logits.copy_(logits)
+            g.graph.replay()
+            if self._sync_timing:
+                torch.cuda.current_stream().synchronize()
+        self.layer_graph_replays += 1
+        metrics.STATS.inc("ffn_layer_graph_replays")
+        return g.out
+
+    def _capture_layer(self, key: tuple[int, int], module, x: torch.Tensor,
+                       logits) -> _LayerGraph | None:  # fmt: skip
+        t0 = time.perf_counter()
+        sx = x.clone()
+        slogits = None if logits is None else logits.clone()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+                out = self._block_eager(key[0], module, sx, slogits, False)
+        except Exception as e:  # noqa: BLE001 - eager serving goes on
+            logger.warning("AFD FFN role: CUDA graph capture of layer %d at %d tokens failed "
+                           "(%s); serving every layer eagerly", key[0], key[1], e)  # fmt: skip
+            self.layer_graphs_enabled = False
+            return None
+        g = self.layer_graphs[key] = _LayerGraph(graph, sx, slogits, out)
+        took = time.perf_counter() - t0
+        metrics.STATS.record({"ffn_graph_captures": 1, "ffn_graph_capture_seconds": took})
+        if len(self.layer_graphs) == 1 or len(self.layer_graphs) % len(self.modules) == 0:
+            logger.info("AFD FFN role: captured CUDA graphs of the FFN layers' blocks (%d so "
+                        "far, the last of layer %d at %d tokens in %.1f ms)",
+                        len(self.layer_graphs), key[0], key[1], took * 1e3)  # fmt: skip
+        return g
 
     def _note_straggler(self, pos: int, late: list, kept: list) -> None:
         self.straggler_splits += 1

@@ -45,7 +45,7 @@ FFN role
     ``vllm:afd_ffn_steps_served_total``, ``vllm:afd_ffn_batched_steps_total``,
     ``vllm:afd_ffn_ubatched_steps_total``, ``vllm:afd_ffn_pingpong_steps_total``,
     ``vllm:afd_ffn_straggler_splits_total``,
-    ``vllm:afd_ffn_graph_replays_total``,
+    ``vllm:afd_ffn_graph_replays_total``, ``vllm:afd_ffn_layer_graph_replays_total``,
     ``vllm:afd_ffn_graph_captures_total``, ``vllm:afd_ffn_graph_capture_seconds_total``,
     ``vllm:afd_ffn_step_compute_seconds`` (histogram),
     ``vllm:afd_ffn_step_transfer_seconds`` (histogram),
@@ -101,6 +101,8 @@ COUNTERS = {
     "ffn_batched_steps": "AFD steps that served several attention ranks in one pass.",
     "ffn_idle_seconds": "Seconds the FFN serve loop waited with no step to run.",
     "ffn_graph_replays": "AFD steps the FFN rank served by replaying one of its CUDA graphs.",
+    "ffn_layer_graph_replays": "FFN layers served by replaying a CUDA graph of the layer's "
+    "block (data planes the host drives: gloo, nixl).",
     "ffn_graph_captures": "CUDA graphs the FFN rank captured (each stalls the ranks it serves).",
     "ffn_graph_capture_seconds": "Seconds the FFN rank spent capturing CUDA graphs.",
     "ffn_ubatched_steps": "AFD steps served as micro-batches (DBO on the attention rank).",
@@ -118,7 +120,7 @@ ATTENTION_COUNTERS = ("steps", "layer_exchanges", "bytes_sent", "bytes_received"
                       "handshake_failures", "rejoins", "outage_seconds", "home_refusals")
 FFN_COUNTERS = ("ffn_steps_served", "ffn_batched_steps", "ffn_idle_seconds", "bytes_sent",
                 "bytes_received", "handshake_failures", "ffn_graph_replays",
-                "ffn_graph_captures", "ffn_graph_capture_seconds", "ffn_ubatched_steps",
+                "ffn_layer_graph_replays", "ffn_graph_captures", "ffn_graph_capture_seconds", "ffn_ubatched_steps",
                 "ffn_pingpong_steps", "ffn_straggler_splits")
 ATTENTION_HISTOGRAMS = ("step_transfer_seconds", "step_ffn_wait_seconds")
 FFN_HISTOGRAMS = ("ffn_step_compute_seconds", "ffn_step_transfer_seconds")

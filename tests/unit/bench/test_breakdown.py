@@ -302,3 +302,15 @@ def test_dbo_ffn_steps_on_the_device_timeline():
     assert f.per_step["compute"] == pytest.approx(200.0)
     assert f.per_step["recv"] == pytest.approx(50.0)  # the second wait is under compute
     assert f.per_step["device idle"] == pytest.approx(750.0)
+
+
+def test_the_nixl_device_paths_kernels_are_transfer_and_its_wait_waiting():
+    """The nixl connector's kernels (copies into and out of its registered slots, the
+    doorbell) are the transfer of a step, its wait on the reply flag is waiting; the
+    FFN's own kernels stay compute."""
+    kinds = {n: bd._classify({"cat": "kernel", "name": n})
+             for n in ("_copy_to_slot_kernel", "_ring_kernel", "_copy_from_slot_kernel",
+                       "_wait_kernel", "_control_kernel", "fused_moe_kernel")}  # fmt: skip
+    assert kinds == {"_copy_to_slot_kernel": "transfer", "_ring_kernel": "transfer",
+                     "_copy_from_slot_kernel": "transfer", "_wait_kernel": "wait",
+                     "_control_kernel": "transfer", "fused_moe_kernel": "compute"}

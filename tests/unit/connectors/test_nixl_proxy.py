@@ -123,6 +123,30 @@ def test_the_flag_advances_over_replies_received_in_order_only(rig):
     assert flags.words[0] == 2
 
 
+def test_the_proxy_times_its_posts_and_the_peers_turns_and_logs_them_per_session(rig, caplog):
+    agent, proxy, records, _, flags, _ = rig
+    s = Session()
+    proxy.serve(s.target, "FFN rank 0")
+    for seq in range(3):  # two messages a layer (hidden states, router logits), one reply
+        ring(records, 0, 2 * seq, 4096)
+        ring(records, 0, 2 * seq + 1, 256)
+        wait_until(lambda seq=seq: len(s.writes) == 2 * seq + 2, what=f"layer {seq}'s posts")
+        time.sleep(0.02)  # the peer's turn
+        agent.reply("ffn-agent", "s1", 0, seq)
+        wait_until(lambda seq=seq: flags.words[0] == seq + 1, what=f"reply {seq}")
+    m = proxy.stats.summary()
+    assert m["posts"] == 6 and m["replies"] == 3, m
+    assert 0 < m["post_us"] < 20_000 and m["poll_us"] > 0, m
+    assert 20_000 <= m["turn_us"] < 1_000_000, m  # from the last post to the reply
+    with caplog.at_level("INFO", logger=nd.logger.name):
+        proxy.release(None)
+    line = [r.getMessage() for r in caplog.records if "nixl proxy of FFN rank 0" in r.getMessage()]
+    assert len(line) == 1 and "6 writes posted, 3 replies" in line[0], line
+    # a new session counts from nothing
+    proxy.serve(Session(sid="s2").target, "FFN rank 0")
+    assert proxy.stats.summary()["posts"] == 0
+
+
 def test_step_controls_are_sent_on_once_each_in_order(rig):
     _, proxy, _, controls, _, _ = rig
     s = Session()

@@ -28,8 +28,10 @@ on the CPU with DRAM buffers and host stores in place of the kernels (the unit t
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +58,10 @@ CTRL_STAMP_SHIFT = 48
 # Released waits read this (the peer is gone): every wait ends at once.
 POISON = 1 << 62
 COPY_BLOCK = 1024
+# The proxy's timings kept for its summary (ProxyStats): the last this many of each.
+STATS_KEEP = 4096
+# The proxy logs its summary at most this often while it serves (and when a session ends).
+STATS_LOG_S = 30.0
 
 logger = init_logger(__name__)
 
@@ -231,10 +237,40 @@ class Target:
         self.lost = lost
 
 
+class ProxyStats:
+    """Where the proxy's time goes, per session: ``post`` (posting one write: NIXL's
+    descriptors, the request, its start), ``poll`` (one round of taking the peer's
+    notifications), ``turn`` (from a lane's last write posted to the reply that answers
+    it: the peer's share of a hand-over - its wait for the bytes, its FFN layer, its reply
+    write - and the notification's way back). Seconds; the last STATS_KEEP of each."""
+
+    def __init__(self):
+        self.post: deque[float] = deque(maxlen=STATS_KEEP)
+        self.poll: deque[float] = deque(maxlen=STATS_KEEP)
+        self.turn: deque[float] = deque(maxlen=STATS_KEEP)
+        self.posts = self.replies = 0
+
+    def summary(self) -> dict[str, float]:
+        """Medians in microseconds (0 where none was taken) and the counts."""
+        out: dict[str, float] = {"posts": self.posts, "replies": self.replies}
+        for name in ("post", "poll", "turn"):
+            d = getattr(self, name)
+            out[f"{name}_us"] = statistics.median(d) * 1e6 if d else 0.0
+        return out
+
+    def line(self) -> str:
+        m = self.summary()
+        return (f"{m['posts']:.0f} writes posted, {m['replies']:.0f} replies; median "
+                f"post {m['post_us']:.1f} us, notification poll {m['poll_us']:.1f} us, "
+                f"turn (last write posted to its reply) {m['turn_us']:.1f} us")
+
+
 class Proxy:
     """The attention role's host proxy: posts what the device rang, turns the peer's
     notifications into reply flags, and reports a wait that gave up (the error word).
-    One thread; ``agent`` is the plane's NIXL agent (``poll``, ``take_notes``, ``done``)."""
+    One thread; ``agent`` is the plane's NIXL agent (``poll``, ``take_notes``, ``done``).
+    ``stats``: where its time goes in the session it serves (ProxyStats), logged when the
+    session ends and every STATS_LOG_S while it serves."""
 
     def __init__(self, agent, records: HostWords, controls: HostWords, flags: HostWords,
                  lanes: int, spin_s: float, err: HostWords | None = None,
@@ -256,6 +292,10 @@ class Proxy:
         self.posted = [0] * self.lanes
         self.replies = [0] * self.lanes
         self.controls_sent = 0
+        self.stats = ProxyStats()
+        self._last_post = [0.0] * self.lanes  # when the lane's last write was posted
+        self._answered = [True] * self.lanes  # its last write was answered
+        self._logged_at = time.monotonic()
         self._pending: list[object] = []
         self._early: list[set[int]] = [set() for _ in range(self.lanes)]
         self._through = False  # a reply taken in this session (logged once)
@@ -264,16 +304,24 @@ class Proxy:
     def serve(self, target: Target, who: str) -> None:
         """Serve ``target`` from message 0 (the rings and counters were zeroed)."""
         with self._lock:
+            self._log_stats()
             self._reset_counts()
             self._target, self._who, self.error = target, who, None
 
     def release(self, why: str | None) -> None:
         """The session ended: post nothing more for it; device waits end at once."""
         with self._lock:
+            self._log_stats()
             self._target = None
             if why is not None and self.error is None:
                 self.error = why
             self.flags.words[:] = POISON
+
+    def _log_stats(self) -> None:
+        """Under the lock: the summary of the session served so far (when it moved)."""
+        if self._target is not None and self.stats.posts:
+            logger.info("AFD: nixl proxy of %s: %s", self._who, self.stats.line())
+        self._logged_at = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
@@ -309,6 +357,9 @@ class Proxy:
             now = time.monotonic()
             if busy:
                 idle_since = now
+                if now - self._logged_at > STATS_LOG_S:
+                    with self._lock:
+                        self._log_stats()
             elif now - idle_since > self.spin_s:
                 time.sleep(0.0002 if t is not None else 0.01)
 
@@ -341,14 +392,24 @@ class Proxy:
                 word = int(recs[lane * RING + seq % RING])
                 if word >> STAMP_SHIFT != seq + 1:
                     break
+                t0 = time.perf_counter()
                 self._pending.append(t.write(lane, seq, word & PAYLOAD_MASK,
                                              f"{t.sid}:{lane}:{seq}"))  # fmt: skip
+                t1 = time.perf_counter()
+                self.stats.post.append(t1 - t0)
+                self.stats.posts += 1
+                self._last_post[lane], self._answered[lane] = t1, False
                 self.posted[lane] += 1
                 busy = True
         if self._pending:
             self._pending = [h for h in self._pending if not self.agent.done(h, self._who)]
+        t0 = time.perf_counter()
         self.agent.poll(self._who)
-        for lane, seq in self.agent.take_notes(t.peer, t.sid):
+        notes = self.agent.take_notes(t.peer, t.sid)
+        t1 = time.perf_counter()
+        if notes:
+            self.stats.poll.append(t1 - t0)
+        for lane, seq in notes:
             if 0 <= lane < self.lanes:
                 self._early[lane].add(seq)
         for lane in range(self.lanes):
@@ -359,6 +420,10 @@ class Proxy:
                     n += 1
                 self.replies[lane] = n
                 self.flags.words[lane] = n
+                self.stats.replies += 1
+                if not self._answered[lane]:
+                    self._answered[lane] = True
+                    self.stats.turn.append(t1 - self._last_post[lane])
                 busy = True
                 if not self._through:
                     self._through = True
