@@ -77,25 +77,35 @@ def test_registry_composes_the_channel_with_the_nixl_plane(made):
     assert ffn.survives_peer_loss and not att.reruns_forward  # CPU: host-driven
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_1a1f_steps_move_through_nixl_writes(made, dtype):
+@pytest.mark.parametrize("dtype,kept", [(torch.float32, nixl.XFER_CACHE),
+                                         (torch.bfloat16, nixl.XFER_CACHE), (torch.float32, 2)])
+def test_1a1f_steps_move_through_nixl_writes(made, dtype, kept, monkeypatch):
+    """Every message arrives whole in its own slot; a write that recurs (same slots, same
+    size) posts the kept request again with its new notification; with room for only
+    ``kept`` requests the least recently used are released and made again."""
+    monkeypatch.setattr(nixl, "XFER_CACHE", kept)
     port = free_port()
     ffn = _ffn(made, port)
     att = _att(made, port)
     Bg(att.connect).get()
     wait_until(lambda: 0 in ffn.peers)
     # more steps than inbox slots: the slots are reused in turn
-    for step in range(1, 2 * nixl.SLOTS):
-        t = 1 + step % 5
+    for step in range(1, 4 * nixl.SLOTS):
+        t = 1 + step % 2
         att.begin_step(step, t)
         (peer,) = wait_peers(ffn, [0]).values()
         for layer in range(2):
             _layer(att, ffn, peer, t, dtype, bias=layer + 1)
         att.end_step()
+        assert att.plane.agent.kept() <= kept and ffn.plane.agent.kept() <= kept
     assert len(ffn.plane.sessions) == 1
+    if kept > 2 * nixl.SLOTS:  # the sizes and slots recur: most posts are reposts
+        for agent in (att.plane.agent, ffn.plane.agent):
+            assert agent.reposts > 2 * nixl.SLOTS and agent.kept() <= 2 * nixl.SLOTS
     att.close()
     wait_until(lambda: not ffn.wait_step(0.05) and 0 not in ffn.peers, what="goodbye")
     assert ffn.plane.sessions == {}  # the session's registrations ended with it
+    assert ffn.plane.agent.kept() == 0  # and the requests into them
 
 
 def test_micro_batch_replies_are_taken_as_claimed_whatever_order_waited(made):
