@@ -43,7 +43,7 @@ class FakeRunner(ffn_runner.FFNModelRunner):
         self.steps_served = self.batched_steps = self.ubatched_steps = 0
         self.schedule, self.pingpong_steps = schedule, 0
         self._auto, self._auto_last = ffn_runner.AutoSchedule(), None
-        self.graphs_enabled = False
+        self.graphs_enabled = self.layer_graphs_enabled = False
         self.profiler = None
         self.max_pass_tokens = max_pass_tokens
         self._pending, self.split_steps = [], 0
