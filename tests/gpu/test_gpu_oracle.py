@@ -300,8 +300,8 @@ def test_gpu_oracle_2a1f_pingpong(tmp_path, procs):
 
 # nixl on one GPU, both roles on GPU 0 (under MPS with MPS=1): its device path (VRAM
 # inboxes; the attention role's exchanges are kernels that a host proxy posts as NIXL
-# writes), FULL decode graphs on the attention role, the FFN rank's host loop eager. One
-# plain reference for the three cases (the cache above).
+# writes), FULL decode graphs on the attention role, the FFN rank's host loop replaying
+# graphs of each layer's block. One plain reference for the three cases (the cache above).
 NIXL_CASES = {
     "1a1f": {},
     "dbo": {"attn_args": ["--enable-dbo", "--dbo-threshold", "2"]},
