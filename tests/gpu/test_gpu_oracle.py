@@ -301,7 +301,8 @@ def test_gpu_oracle_2a1f_pingpong(tmp_path, procs):
 # nixl on one GPU, both roles on GPU 0 (under MPS with MPS=1): its device path (VRAM
 # inboxes; the attention role's exchanges are kernels that a host proxy posts as NIXL
 # writes), FULL decode graphs on the attention role, the FFN rank's host loop replaying
-# graphs of each layer's block. One plain reference for the three cases (the cache above).
+# graphs of each layer's block (ffn_layer_graphs). One plain reference for the three cases
+# (the cache above).
 NIXL_CASES = {
     "1a1f": {},
     "dbo": {"attn_args": ["--enable-dbo", "--dbo-threshold", "2"]},
@@ -315,6 +316,7 @@ def test_gpu_oracle_nixl(case, tmp_path, procs):
     plain = _plain(name, mode, RUNNER, tmp_path / "plain", procs)
     ffns: list = []
     outs = _afd(name, "nixl", 0, mode, RUNNER, tmp_path, procs, keep_ffn=ffns,
+                extra={"connector_extra_config": {"ffn_layer_graphs": True}},
                 **NIXL_CASES[case])  # fmt: skip
     outs = outs if isinstance(outs, list) else [outs]
     worst = max(_compare(plain, out) for out in outs)

@@ -168,9 +168,10 @@ CHANNEL_KEYS: tuple[ExtraKey, ...] = (
              minimum=1, maximum=1 << 30),
     ExtraKey("early_step_control", BOOL, True,
              "send a step's control message before the forward's first layer"),
-    ExtraKey("ffn_cuda_graphs", BOOL, True,
-             "the FFN rank replays CUDA graphs of recurring steps (with gloo and nixl: of "
-             "each layer's block)"),
+    ExtraKey("ffn_cuda_graphs", BOOL, True, "the FFN rank replays CUDA graphs of recurring steps"),
+    ExtraKey("ffn_layer_graphs", BOOL, False,
+             "with a data plane the FFN host drives (gloo, nixl) on a GPU: the FFN rank replays "
+             "CUDA graphs of each layer's block at recurring token counts"),
     ExtraKey("ffn_cuda_graph_max_tokens", INT, None,
              "the largest step (tokens) the FFN rank captures", minimum=0, maximum=1 << 24),
     ExtraKey("ffn_cuda_graph_max_count", INT, 64,

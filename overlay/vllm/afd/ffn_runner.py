@@ -157,6 +157,21 @@ class AutoSchedule:
             self.periods[key][schedule].append(period)
 
 
+def layer_graphs_wanted(device_type: str, graph_capable: bool, extra: dict,
+                        grouped: bool) -> bool:  # fmt: skip
+    """Whether the FFN rank captures graphs of single layers' blocks: on a GPU, with a data
+    plane that cannot be captured in a step graph (the host drives it), when
+    connector_extra_config asks (ffn_layer_graphs, default false; ffn_cuda_graphs false
+    turns them off too); not in an FFN group (its steps run eagerly in this release)."""
+    return (
+        device_type == "cuda"
+        and not graph_capable
+        and bool(extra.get("ffn_cuda_graphs", True))
+        and bool(extra.get("ffn_layer_graphs", False))
+        and not grouped
+    )
+
+
 @dataclass
 class _LayerGraph:
     """A CUDA graph of one layer's block at one token count, and its buffers: the rows
@@ -380,15 +395,13 @@ class FFNModelRunner:
         self._graph_gen = -1
         self._graph_pool = None
         self.graph_replays = 0
-        # With a data plane the host drives (gloo, nixl: no step graph), the FFN rank
-        # replays CUDA graphs of each layer's block instead: a (layer, token count) that
-        # recurs is captured (_layer_graph). Eager, a MoE block's launches took the host
-        # longer than its kernels took the device at decode sizes.
-        self.layer_graphs_enabled = (
-            self.device.type == "cuda"
-            and not self.connector.graph_capable
-            and bool(extra.get("ffn_cuda_graphs", True))
-            and self.group is None
+        # With a data plane the host drives (gloo, nixl: no step graph) and the key
+        # ffn_layer_graphs, the FFN rank replays CUDA graphs of each layer's block instead:
+        # a (layer, token count) that recurs is captured (_layer_graph). Eager, a MoE
+        # block's launches take the host longer than its kernels take the device at decode
+        # sizes.
+        self.layer_graphs_enabled = layer_graphs_wanted(
+            self.device.type, self.connector.graph_capable, extra, self.group is not None
         )
         self.layer_graphs: dict[tuple[int, int], _LayerGraph] = {}
         self._layer_seen: dict[tuple[int, int], int] = {}

@@ -103,3 +103,15 @@ def test_limits_larger_steps_the_count_and_a_profiled_run_stay_eager():
     for _ in range(3):
         r2.run(0, rows(4, 0))
     assert r2.captured == [] and len(r2.eager) == 3
+
+
+def test_layer_graphs_are_asked_for_and_only_where_no_step_graph_can_be():
+    on = {"ffn_layer_graphs": True}
+    assert ffn_runner.layer_graphs_wanted("cuda", False, on, grouped=False)
+    assert not ffn_runner.layer_graphs_wanted("cuda", False, {}, grouped=False)  # default off
+    assert not ffn_runner.layer_graphs_wanted("cpu", False, on, grouped=False)
+    assert not ffn_runner.layer_graphs_wanted("cuda", True, on, grouped=False)  # step graphs
+    assert not ffn_runner.layer_graphs_wanted("cuda", False, on, grouped=True)
+    assert not ffn_runner.layer_graphs_wanted(
+        "cuda", False, {**on, "ffn_cuda_graphs": False}, grouped=False
+    )
