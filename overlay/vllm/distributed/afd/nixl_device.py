@@ -238,8 +238,8 @@ class Target:
 
 
 class ProxyStats:
-    """Where the proxy's time goes, per session: ``post`` (posting one write: NIXL's
-    descriptors, the request, its start), ``poll`` (one round of taking the peer's
+    """Where the proxy's time goes, per session: ``post`` (posting one write: a kept
+    request posted again, or a new one made and posted), ``poll`` (one round of taking the peer's
     notifications), ``turn`` (from a lane's last write posted to the reply that answers
     it: the peer's share of a hand-over - its wait for the bytes, its FFN layer, its reply
     write - and the notification's way back). Seconds; the last STATS_KEEP of each."""
