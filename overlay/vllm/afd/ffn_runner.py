@@ -709,24 +709,22 @@ class FFNModelRunner:
         """The FFN block of layer ``layer_idx`` on rows ``x`` (router logits ``logits``
         when the gate runs on the attention role): a replay of its layer graph when there
         is one (layer_graphs_enabled), else eager."""
-        if self.layer_graphs_enabled and not torch.cuda.is_current_stream_capturing():
-            y = self._layer_graph(layer_idx, module, x, logits)
-            if y is not None:
-                return y
-        return self._block_eager(layer_idx, module, x, logits, self._sync_timing)
+        with record_function("afd.ffn_compute"):
+            y = None
+            if self.layer_graphs_enabled and not torch.cuda.is_current_stream_capturing():
+                y = self._layer_graph(layer_idx, module, x, logits)
+            if y is None:
+                y = self._block_eager(layer_idx, module, x, logits)
+            if self._sync_timing:
+                torch.cuda.current_stream().synchronize()
+        return y
 
-    def _block_eager(self, layer_idx: int, module, x: torch.Tensor, logits,
-                     sync: bool) -> torch.Tensor:  # fmt: skip
+    def _block_eager(self, layer_idx: int, module, x: torch.Tensor, logits) -> torch.Tensor:
         from vllm.forward_context import set_forward_context
 
         router = self.gates.get(layer_idx)
-        with record_function("afd.ffn_compute"), set_forward_context(
-            None, self.vllm_config, num_tokens=x.shape[0]
-        ):
-            y = module(x) if router is None else router.forward(module, x, logits)
-            if sync:
-                torch.cuda.current_stream().synchronize()
-        return y
+        with set_forward_context(None, self.vllm_config, num_tokens=x.shape[0]):
+            return module(x) if router is None else router.forward(module, x, logits)
 
     def _layer_graph(self, layer_idx: int, module, x: torch.Tensor, logits) -> torch.Tensor | None:
         """The block's output from a replay of the graph of (layer, token count), captured
@@ -750,36 +748,28 @@ class FFNModelRunner:
             g = self._capture_layer(key, module, x, logits)
             if g is None:
                 return None
-        with record_function("afd.ffn_compute"):
-            g.x.copy_(x)
-            if g.logits is not None:
-                g.logits.copy_(logits)
-            g.graph.replay()
-            if self._sync_timing:
-                torch.cuda.current_stream().synchronize()
+        g.x.copy_(x)
+        if g.logits is not None:
+            g.logits.copy_(logits)
+        g.graph.replay()
         self.layer_graph_replays += 1
         metrics.STATS.inc("ffn_layer_graph_replays")
         return g.out
 
     def _capture_layer(self, key: tuple[int, int], module, x: torch.Tensor,
                        logits) -> _LayerGraph | None:  # fmt: skip
-        t0 = time.perf_counter()
         sx = x.clone()
         slogits = None if logits is None else logits.clone()
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                out = self._block_eager(key[0], module, sx, slogits, False)
+            graph, out, took = self._record_graph(
+                lambda: self._block_eager(key[0], module, sx, slogits)
+            )
         except Exception as e:  # noqa: BLE001 - eager serving goes on
             logger.warning("AFD FFN role: CUDA graph capture of layer %d at %d tokens failed "
                            "(%s); serving every layer eagerly", key[0], key[1], e)  # fmt: skip
             self.layer_graphs_enabled = False
             return None
         g = self.layer_graphs[key] = _LayerGraph(graph, sx, slogits, out)
-        took = time.perf_counter() - t0
-        metrics.STATS.record({"ffn_graph_captures": 1, "ffn_graph_capture_seconds": took})
         if len(self.layer_graphs) == 1 or len(self.layer_graphs) % len(self.modules) == 0:
             logger.info("AFD FFN role: captured CUDA graphs of the FFN layers' blocks (%d so "
                         "far, the last of layer %d at %d tokens in %.1f ms)",
@@ -886,14 +876,23 @@ class FFNModelRunner:
         ):
             self._capture(key, body)
 
-    def _capture(self, key: tuple, body: Callable[[], object]) -> None:
+    def _record_graph(self, body: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object, float]:
+        """``body`` captured as a CUDA graph in the FFN rank's graph pool, what it returned
+        (the tensors the graph writes) and the seconds the capture took (counted in the
+        metrics); raises what the capture raised."""
         t0 = time.perf_counter()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            result = body()
+        took = time.perf_counter() - t0
+        metrics.STATS.record({"ffn_graph_captures": 1, "ffn_graph_capture_seconds": took})
+        return graph, result, took
+
+    def _capture(self, key: tuple, body: Callable[[], object]) -> None:
         try:
-            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                body()
+            graph, _, took = self._record_graph(body)
         except Exception as e:  # noqa: BLE001 - eager serving goes on
             logger.warning(
                 "AFD FFN role: CUDA graph capture for %s failed (%s); serving it eagerly", key, e
@@ -901,8 +900,6 @@ class FFNModelRunner:
             self.graph_max_count = 0
             return
         self.graphs[key] = graph
-        took = time.perf_counter() - t0
-        metrics.STATS.record({"ffn_graph_captures": 1, "ffn_graph_capture_seconds": took})
         logger.info(
             "AFD FFN role: captured a CUDA graph for step %s in %.1f ms (%d graphs)",
             key,

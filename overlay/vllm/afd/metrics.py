@@ -120,8 +120,8 @@ ATTENTION_COUNTERS = ("steps", "layer_exchanges", "bytes_sent", "bytes_received"
                       "handshake_failures", "rejoins", "outage_seconds", "home_refusals")
 FFN_COUNTERS = ("ffn_steps_served", "ffn_batched_steps", "ffn_idle_seconds", "bytes_sent",
                 "bytes_received", "handshake_failures", "ffn_graph_replays",
-                "ffn_layer_graph_replays", "ffn_graph_captures", "ffn_graph_capture_seconds", "ffn_ubatched_steps",
-                "ffn_pingpong_steps", "ffn_straggler_splits")
+                "ffn_layer_graph_replays", "ffn_graph_captures", "ffn_graph_capture_seconds",
+                "ffn_ubatched_steps", "ffn_pingpong_steps", "ffn_straggler_splits")
 ATTENTION_HISTOGRAMS = ("step_transfer_seconds", "step_ffn_wait_seconds")
 FFN_HISTOGRAMS = ("ffn_step_compute_seconds", "ffn_step_transfer_seconds")
 LAYER_COUNTERS = {

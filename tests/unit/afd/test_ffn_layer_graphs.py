@@ -41,7 +41,7 @@ class _Runner(ffn_runner.FFNModelRunner):
         y = x * (layer + 2)
         return y if logits is None else y + logits.sum(dim=1, keepdim=True)
 
-    def _block_eager(self, layer_idx, module, x, logits, sync):
+    def _block_eager(self, layer_idx, module, x, logits):
         self.eager.append((layer_idx, x.shape[0]))
         return self.block(layer_idx, x, logits)
 
@@ -57,7 +57,7 @@ class _Runner(ffn_runner.FFNModelRunner):
 
     def run(self, layer, x, logits=None):
         y = self._layer_graph(layer, None, x, logits)
-        return self._block_eager(layer, None, x, logits, False) if y is None else y
+        return self._block_eager(layer, None, x, logits) if y is None else y
 
 
 def rows(n, seed):
