@@ -2,7 +2,7 @@
 agents (UCX) and real sockets on 127.0.0.1: layer exchanges of one and two attention ranks,
 micro-batched receives waited out of order, a restarted FFN rank met as a new agent (rejoin),
 a peer that is not a nixl FFN server refused by name, and registrations that end with the
-session."""
+session; the agent's kept requests against a stand-in NIXL whose posts fail on demand."""
 
 from __future__ import annotations
 
@@ -106,6 +106,59 @@ def test_1a1f_steps_move_through_nixl_writes(made, dtype, kept, monkeypatch):
     wait_until(lambda: not ffn.wait_step(0.05) and 0 not in ffn.peers, what="goodbye")
     assert ffn.plane.sessions == {}  # the session's registrations ended with it
     assert ffn.plane.agent.kept() == 0  # and the requests into them
+
+
+class _ScriptedNixl:
+    """A stand-in NIXL agent whose requests end as the test says: ``outcome`` is the state
+    each post leaves its request in."""
+
+    def __init__(self, name, config):
+        self.outcome, self.states, self.posts, self.released = "DONE", {}, [], []
+
+    def get_xfer_descs(self, descs, mem):
+        return descs
+
+    def initialize_xfer(self, op, src, dst, peer, note):
+        handle = len(self.states)
+        self.states[handle] = "INIT"
+        return handle
+
+    def transfer(self, handle, note=b""):
+        self.posts.append(handle)
+        self.states[handle] = self.outcome
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        return self.states[handle]
+
+    def release_xfer_handle(self, handle):
+        self.released.append(handle)
+
+
+def test_a_kept_request_whose_post_failed_is_made_anew_and_kept(monkeypatch):
+    """A kept request whose last post ended in ERR is released and replaced by the next
+    write's new request, which is kept and posted again from then on (before: the failed
+    one stayed kept and every later write of that slot built a request of its own)."""
+    monkeypatch.setattr(nixl, "load_nixl", lambda: (_ScriptedNixl, lambda **kw: kw))
+    agent = nixl.Agent("attention", 0, "UCX")
+    fake = agent.agent
+    slots = ((1, 0, "DRAM"), (2, 0, "DRAM"), 64, "peer")
+
+    def write(note):
+        return agent.write(*slots, note=note, who="FFN rank 0")
+
+    first = write("a")
+    fake.outcome = "ERR"
+    write("b")  # a repost of the kept request, which fails
+    with pytest.raises(nixl.AFDPeerError, match="a nixl write failed"):
+        agent.done(first, "FFN rank 0")
+    fake.outcome = "DONE"
+    second = write("c")
+    assert second is not first and fake.released == [first.handle]
+    assert agent.kept() == 1 and agent.done(second, "FFN rank 0")
+    third = write("d")
+    assert third is second and agent.reposts == 2
+    assert fake.posts == [first.handle, first.handle, second.handle, second.handle]
 
 
 def test_micro_batch_replies_are_taken_as_claimed_whatever_order_waited(made):

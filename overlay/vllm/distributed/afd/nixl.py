@@ -177,11 +177,15 @@ class Agent:
         """Post a WRITE of ``nbytes`` from ``local`` to ``remote`` of ``peer`` (each an
         (address, device id, memory type) of registered memory) with notification
         ``note``: the kept request of this (peer, slots, size) when its last post
-        completed, else a new one (kept when there is none). Checked with ``done``."""
+        completed, else a new one (kept when there is none, or in place of a kept one
+        whose last post failed). Checked with ``done``."""
         key = (peer, local, remote, nbytes)
         with self.lock, self.peer_errors(who):
             x = self._xfers.get(key)
-            if x is not None and self.agent.check_xfer_state(x.handle) == "DONE":
+            last = None if x is None else self.agent.check_xfer_state(x.handle)
+            if last == "ERR":  # a request that failed is not posted again: made anew
+                self._uncache(self._xfers.pop(key))
+            if last == "DONE":
                 self._xfers.move_to_end(key)
                 state = self.agent.transfer(x.handle, note.encode())
                 self.reposts += 1
