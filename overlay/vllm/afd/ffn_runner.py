@@ -77,6 +77,37 @@ def graph_window(extra: dict, ranks: int) -> int:
     return int(extra.get("ffn_cuda_graph_window", GRAPH_WINDOW_PER_RANK * ranks))
 
 
+class CaptureRule:
+    """Which shape served eagerly is captured as a CUDA graph, for the step graphs and the
+    layer graphs alike: one served eagerly again within ``window`` FFN passes of its last
+    eager serve (a shape that recurs: decode steps, a steady chunked prefill, ranks taking
+    turns; not one that comes back once a generation, such as a first prefill step that
+    caught only the first few prompts), of at most ``max_tokens`` tokens, while fewer than
+    ``max_count`` graphs are kept. A capture stalls every rank the FFN rank serves (50-75
+    ms a step graph on one H200 at DeepSeek-V2-Lite's shape), more than a shape that does
+    not recur gains from replaying. Shapes are remembered by the pass they were last
+    served in; past GRAPH_SEEN_MAX more than the window, those older than it are
+    forgotten."""
+
+    def __init__(self, window: int, max_tokens: int, max_count: int):
+        self.window, self.max_tokens, self.max_count = window, max_tokens, max_count
+        self.seen: dict[tuple, int] = {}
+
+    def due(self, key: tuple, now: int, tokens: int, kept: int) -> bool:
+        """``key`` (of ``tokens`` tokens) is served eagerly at pass ``now`` while ``kept``
+        graphs exist: whether to capture it."""
+        last = self.seen.get(key)
+        self.seen[key] = now
+        if len(self.seen) > GRAPH_SEEN_MAX + self.window:
+            self.seen = {k: i for k, i in self.seen.items() if now - i <= self.window}
+        return (
+            last is not None
+            and now - last <= self.window
+            and tokens <= self.max_tokens
+            and kept < self.max_count
+        )
+
+
 # A pass over a connector with async_io (TCP) waits this long for the layer inputs of its
 # late ranks once the first of its ranks has sent its own (or, when none has, since the
 # inputs were posted): then the ranks whose inputs arrived go on, and the late ones become a
@@ -379,7 +410,7 @@ class FFNModelRunner:
         self.schedule = ffn_schedule(extra, grouped=self.group is not None)
         self.connector = create_ffn_connector(ctx)
         # FFN-side CUDA graphs, keyed by the step's (attention rank, token count)
-        # pairs: a key that recurs is captured (_maybe_capture).
+        # pairs: a key that recurs is captured (CaptureRule, _maybe_capture).
         self.graphs_enabled = (
             self.device.type == "cuda"
             and self.connector.graph_capable
@@ -387,24 +418,25 @@ class FFNModelRunner:
             and self.group is None  # a group's steps run eagerly in this release
         )
         ranks = len(cfg.attention_ranks_of(rank)) + int(cfg.ffn_failover)
-        self.graph_max_tokens = graph_token_limit(extra, ranks)
-        self.graph_max_count = int(extra.get("ffn_cuda_graph_max_count", 64))
-        self.graph_window = graph_window(extra, ranks)
+        max_tokens = graph_token_limit(extra, ranks)
+        max_count = int(extra.get("ffn_cuda_graph_max_count", 64))
+        window = graph_window(extra, ranks)
+        self.step_rule = CaptureRule(window, max_tokens, max_count)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._graph_seen: dict[tuple, int] = {}
         self._graph_gen = -1
         self._graph_pool = None
         self.graph_replays = 0
         # With a data plane the host drives (gloo, nixl: no step graph) and the key
         # ffn_layer_graphs, the FFN rank replays CUDA graphs of each layer's block instead:
-        # a (layer, token count) that recurs is captured (_layer_graph). Eager, a MoE
+        # a (layer, token count) that recurs is captured (the same CaptureRule, as many
+        # graphs per layer as steps may have; _layer_graph). Eager, a MoE
         # block's launches take the host longer than its kernels take the device at decode
         # sizes.
         self.layer_graphs_enabled = layer_graphs_wanted(
             self.device.type, self.connector.graph_capable, extra, self.group is not None
         )
         self.layer_graphs: dict[tuple[int, int], _LayerGraph] = {}
-        self._layer_seen: dict[tuple[int, int], int] = {}
+        self.layer_rule = CaptureRule(window, max_tokens, max_count * len(self.modules))
         self.layer_graph_replays = 0
         # Several attention ranks on this FFN rank (a guest too, ffn_failover): each
         # pass's device work ends before the next pass is chosen (see _settle).
@@ -728,22 +760,14 @@ class FFNModelRunner:
 
     def _layer_graph(self, layer_idx: int, module, x: torch.Tensor, logits) -> torch.Tensor | None:
         """The block's output from a replay of the graph of (layer, token count), captured
-        the second time that pair is served; None when it is served eagerly. The output
+        when that pair recurs (layer_rule); None when it is served eagerly. The output
         is the graph's own buffer, rewritten by its next replay: every sender copies it
         out on this stream (or to the host) before that replay is enqueued."""
         key = (layer_idx, x.shape[0])
         g = self.layer_graphs.get(key)
         if g is None:
-            seen = self._layer_seen.get(key, 0) + 1
-            if len(self._layer_seen) >= GRAPH_SEEN_MAX:  # token counts of past prefills
-                self._layer_seen.clear()
-            self._layer_seen[key] = seen
-            if (
-                seen < 2
-                or x.shape[0] > self.graph_max_tokens
-                or len(self.layer_graphs) >= self.graph_max_count * len(self.modules)
-                or self.profiler is not None
-            ):
+            due = self.layer_rule.due(key, self.steps_served, x.shape[0], len(self.layer_graphs))
+            if not due or self.profiler is not None:  # no capture while the profiler records
                 return None
             g = self._capture_layer(key, module, x, logits)
             if g is None:
@@ -840,7 +864,7 @@ class FFNModelRunner:
         if self.connector.generation != self._graph_gen:
             # An attention rank (re)joined: its buffers moved.
             self.graphs.clear()
-            self._graph_seen.clear()
+            self.step_rule.seen.clear()
             self._graph_gen = self.connector.generation
         graph = self.graphs.get(key)
         if graph is None:
@@ -853,27 +877,12 @@ class FFNModelRunner:
         return True
 
     def _maybe_capture(self, key: tuple, total: int, body: Callable[[], object]) -> None:
-        """A key is captured when it is served eagerly again within ``graph_window``
-        passes of its last eager pass: a shape that recurs (decode steps, a steady
-        chunked prefill, ranks taking turns), not one that comes back once a generation
-        (a first prefill step that caught only the first few prompts). A capture
-        stalls every rank the FFN rank serves (50-75 ms on one H200 at DeepSeek-V2-Lite's
-        shape), more than such a step gains from replaying."""
+        """Capture the step ``key`` of ``total`` tokens, just served eagerly, when the
+        step rule says it recurs (CaptureRule)."""
         if not self.graphs_enabled:
             return
-        now, last = self.steps_served, self._graph_seen.get(key)
-        self._graph_seen[key] = now
-        if len(self._graph_seen) > GRAPH_SEEN_MAX + self.graph_window:
-            self._graph_seen = {
-                k: i for k, i in self._graph_seen.items() if now - i <= self.graph_window
-            }
-        if (
-            last is not None
-            and now - last <= self.graph_window
-            and total <= self.graph_max_tokens
-            and len(self.graphs) < self.graph_max_count
-            and self.profiler is None  # no capture while the torch profiler records
-        ):
+        due = self.step_rule.due(key, self.steps_served, total, len(self.graphs))
+        if due and self.profiler is None:  # no capture while the torch profiler records
             self._capture(key, body)
 
     def _record_graph(self, body: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object, float]:
@@ -897,7 +906,7 @@ class FFNModelRunner:
             logger.warning(
                 "AFD FFN role: CUDA graph capture for %s failed (%s); serving it eagerly", key, e
             )
-            self.graph_max_count = 0
+            self.step_rule.max_count = 0
             return
         self.graphs[key] = graph
         logger.info(

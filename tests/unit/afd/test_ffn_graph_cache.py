@@ -26,11 +26,9 @@ class _Runner(ffn_runner.FFNModelRunner):
     def __init__(self, max_tokens=16, max_count=2, window=16):
         # Only what the cache policy reads (no model, no connector start).
         self.graphs_enabled = True
-        self.graph_max_tokens = max_tokens
-        self.graph_max_count = max_count
-        self.graph_window = window
+        self.step_rule = ffn_runner.CaptureRule(window, max_tokens, max_count)
         self.max_pass_tokens = 64
-        self.graphs, self._graph_seen, self._graph_gen = {}, {}, -1
+        self.graphs, self._graph_gen = {}, -1
         self.graph_replays = self.steps_served = self.batched_steps = self.ubatched_steps = 0
         self.schedule, self.pingpong_steps = "join", 0
         self.connector = type("C", (), {"generation": 0})()
@@ -266,9 +264,9 @@ def test_old_keys_are_forgotten_once_in_a_while_whatever_the_window(monkeypatch)
     r.max_pass_tokens = 1000
     for n in range(1, 17):
         r._run_step(_step((0, n)))  # 16 keys, each once: not past 8 + 8 yet
-    assert len(r._graph_seen) == 16
+    assert len(r.step_rule.seen) == 16
     r._run_step(_step((0, 100)))  # the 17th passes it: the 8 past the window go
-    assert sorted(n for (((_, n),)) in r._graph_seen) == [9, 10, 11, 12, 13, 14, 15, 16, 100]
+    assert sorted(n for (((_, n),)) in r.step_rule.seen) == [9, 10, 11, 12, 13, 14, 15, 16, 100]
     for n in range(200, 207):
         r._run_step(_step((0, n)))  # 16 again: kept until the bound is passed once more
-    assert len(r._graph_seen) == 16
+    assert len(r.step_rule.seen) == 16

@@ -1,7 +1,7 @@
 """The FFN rank's graphs of single layers' blocks (vllm.afd.ffn_runner), for data planes the
-host drives (gloo, nixl), without a GPU: which (layer, token count) is captured, that a
-replay reads the rows it is given (copied into the graph's input buffer) and its router
-logits, and the limits. The capture is replaced by a stand-in whose replay runs the block
+host drives (gloo, nixl), without a GPU: which (layer, token count) is captured (the step
+graphs' rule: one that recurs within the window), that a replay reads the rows it is
+given (copied into the graph's input buffer) and its router logits, and the limits. The capture is replaced by a stand-in whose replay runs the block
 on the graph's buffers, as a captured graph does; the GPU oracle with nixl covers real
 graphs (tokens equal plain vLLM's, layer-graph replays counted)."""
 
@@ -28,8 +28,8 @@ class _Runner(ffn_runner.FFNModelRunner):
     def __init__(self, max_tokens=16, max_count=2):
         # Only what the layer-graph policy reads (no model, no connector).
         self.layer_graphs_enabled = True
-        self.layer_graphs, self._layer_seen, self.layer_graph_replays = {}, {}, 0
-        self.graph_max_tokens, self.graph_max_count = max_tokens, max_count
+        self.layer_graphs, self.layer_graph_replays, self.steps_served = {}, 0, 0
+        self.layer_rule = ffn_runner.CaptureRule(16, max_tokens, max_count * LAYERS)
         self.modules = dict.fromkeys(range(LAYERS))
         self.profiler = None
         self._sync_timing = False
@@ -64,7 +64,7 @@ def rows(n, seed):
     return torch.arange(n * 4, dtype=torch.float32).view(n, 4) + seed
 
 
-def test_a_layer_is_captured_at_a_token_count_the_second_time_and_replayed_after():
+def test_a_layer_is_captured_at_a_token_count_that_recurs_and_replayed_after():
     r = _Runner()
     for i in range(2):
         r.run(1, rows(4, i))
@@ -77,6 +77,14 @@ def test_a_layer_is_captured_at_a_token_count_the_second_time_and_replayed_after
     r.run(1, rows(8, 0))
     r.run(2, rows(4, 0))
     assert r.eager == [(1, 4), (1, 8), (2, 4)] and r.captured == [(1, 4)]
+    # the step graphs' rule: a pair that comes back only past the window is not captured,
+    # one that then recurs within it is
+    r.steps_served = 17
+    r.run(1, rows(8, 0))
+    assert r.captured == [(1, 4)]
+    r.steps_served = 18
+    r.run(1, rows(8, 0))
+    assert r.captured == [(1, 4), (1, 8)]
 
 
 def test_router_logits_are_copied_in_too():
