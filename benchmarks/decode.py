@@ -70,9 +70,13 @@ from serve_util import (  # noqa: E402
     free_port,
     install_cleanup,
     median_run,
+    parse_schedules,
     rounds_of,
     routing_env,
+    schedule_extra,
     shared_gpu_note,
+    split_mode,
+    with_schedules,
 )
 
 BREAKDOWN_DELAY = 3  # profiled run: steps before the profiler starts (prefill included)
@@ -406,30 +410,6 @@ def ffn_line(stats: dict) -> str:
             f"replayed {stats['graph_replays']} times")
 
 
-# connector_extra_config.ffn_schedule (vllm.afd.connector_spec.FFN_SCHEDULES)
-FFN_SCHEDULES = ("join", "pingpong", "auto")
-
-
-def connector_extra(a, mode: str) -> dict:
-    """The connector_extra_config of an AFD mode's roles: --connector-extra, with the
-    mode's FFN schedule where it is not the default."""
-    extra = json.loads(a.connector_extra) if a.connector_extra else {}
-    schedule = split_mode(mode)[1]
-    if schedule != "join":
-        extra["ffn_schedule"] = schedule
-    return extra
-
-
-def split_mode(mode: str) -> tuple[str, str]:
-    """A mode's base (plain, plain_one, afd, afd_dbo) and FFN schedule: ``afd_pingpong``
-    is ``afd`` with ffn_schedule pingpong, ``afd_auto`` with auto; every other mode's
-    schedule is join."""
-    for schedule in FFN_SCHEDULES[1:]:
-        if mode.startswith("afd") and mode.endswith("_" + schedule):
-            return mode[: -len(schedule) - 1], schedule
-    return mode, "join"
-
-
 def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,
               want_bd: bool) -> tuple[subprocess.Popen, list[str]]:
     """Start the FFN rank; ``env`` becomes the attention ranks' environment and the
@@ -437,7 +417,7 @@ def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,
     port = free_port()
     cfg = {"connector": a.connector, "host": "127.0.0.1", "port": port, "timeout_s": 300,
            "num_attention_ranks": a.engines, "num_ffn_ranks": 1}
-    if extra := connector_extra(a, mode):
+    if extra := schedule_extra(a.connector_extra, mode):
         cfg["connector_extra_config"] = extra
     ffn_env = dict(env)
     # run_ffn reads the FFN runner of its own process (ffn_runner.ACTIVE): the
@@ -729,16 +709,12 @@ def check_sweep(p: argparse.ArgumentParser, a) -> tuple[list[int], list[str], li
         p.error("--modes plain_one needs --engines 2 or more (with one engine it is plain)")
     if len(set(modes)) < len(modes):
         p.error(f"--modes {a.modes}: a mode given twice (--rounds N measures each N times)")
-    schedules = [s.strip() for s in a.ffn_schedule.split(",") if s.strip()]
-    if not schedules or set(schedules) - set(FFN_SCHEDULES) or len(set(schedules)) < len(
-        schedules
-    ):
-        p.error(f"--ffn-schedule {a.ffn_schedule}: a comma list of distinct values of "
-                f"{', '.join(FFN_SCHEDULES)}")
-    if a.connector_extra and "ffn_schedule" in json.loads(a.connector_extra):
-        p.error("give the FFN schedule with --ffn-schedule, not in --connector-extra")
-    modes = [m if s == "join" or not m.startswith("afd") else f"{m}_{s}"
-             for m in modes for s in (schedules if m.startswith("afd") else ["join"])]
+    try:
+        schedules = parse_schedules(a.ffn_schedule)
+        schedule_extra(a.connector_extra, "afd")
+    except ValueError as e:
+        p.error(str(e))
+    modes = with_schedules(modes, schedules)
     roofline.check_arguments(p, a)
     return batches, routings, modes
 

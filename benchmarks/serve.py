@@ -23,6 +23,15 @@ plain_x2's total, 2 x ``--num-prompts`` requests at once, with its per-server si
 ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-cache-memory-bytes`` and the
 compilation config's CUDA graph sizes: what a user with one GPU runs instead of two
 replicas). Every mode's servers are started, measured and stopped before the next mode's.
+
+``--engines M`` (M >= 2) compares the three ways of serving M x ``--num-prompts``
+concurrent requests on one device, as ``decode.py --engines M`` does for decode: ``plain``
+is M plain servers (replicas), ``plain_one`` ONE plain server of M times the load and
+sizes, ``afd`` (and ``afd_dbo``) M attention servers (ranks 0..M-1) of one FFN server
+(MA1F); every server the clients talk to is sent ``--num-prompts`` requests at once (the
+one server M times that), all at the same time, figures summed. On CUDA every server shares
+the attention GPU under ``--mps``. ``--ffn-schedule join,pingpong,auto`` runs every AFD mode
+once per FFN schedule (``afd_pingpong``...: docs/ping-pong.md).
 Figures per mode, from ``vllm bench serve``'s result: output tokens/s, requests/s, mean and
 median TPOT and TTFT, the duration; the table gives each against plain, against
 ``plain_one`` where it ran, and against the roofline of a decode step at the mode's
@@ -55,6 +64,7 @@ import mps  # noqa: E402  (benchmarks/mps.py)
 import roofline  # noqa: E402  (benchmarks/roofline.py)
 
 import serve_util as su  # noqa: E402
+from serve_util import split_mode  # noqa: E402
 
 MODES = ("plain", "afd", "afd_dbo", "plain_x2", "plain_one")
 # plain_one serves the requests of plain_x2's two replicas in one server.
@@ -89,6 +99,23 @@ def ffn_captures(log_text: str) -> list[dict]:
     each with its step key and milliseconds: every attention rank served waits meanwhile."""
     return [{"step": m.group(1), "ms": float(m.group(2))}
             for m in CAPTURE_LINE.finditer(log_text)]
+
+
+def load_factor(a, mode: str) -> int:
+    """How many servers' load one server of ``mode`` takes: plain_one the M replicas'
+    (``--engines``), or plain_x2's two; every other mode's server its own."""
+    if split_mode(mode)[0] != "plain_one":
+        return 1
+    return a.engines if a.engines > 1 else ONE_OF
+
+
+def client_count(a, mode: str) -> int:
+    """The servers of a mode a client is sent requests to (they come first in the list
+    servers_for returns): plain_x2's two, M replicas or attention servers, else one."""
+    base = split_mode(mode)[0]
+    if base == "plain_x2":
+        return 2
+    return 1 if base == "plain_one" else a.engines
 
 
 def bench_command(a, url: str, result_dir: Path, name: str, factor: int = 1) -> list[str]:
@@ -170,31 +197,37 @@ def servers_for(a, mode: str, work: Path) -> list[su.Server]:
     """Start the servers of one mode (FFN first) and wait until all are healthy; the
     ones the client talks to come first in the returned list."""
     servers: list[su.Server] = []
+    base = split_mode(mode)[0]
     try:
         plain_extra = shlex.split(a.plain_args or "")
-        if mode == "plain":
-            servers.append(start(a, "plain", work, env=server_env(a, a.attention_gpu, None),
-                                 extra=plain_extra))
-        elif mode == "plain_one":
+        if base == "plain":
+            for i in range(a.engines):
+                name = "plain" if a.engines == 1 else f"plain_{i}"
+                servers.append(start(a, name, work, env=server_env(a, a.attention_gpu, None),
+                                     extra=plain_extra))
+        elif base == "plain_one":
             servers.append(start(a, "plain_one", work, env=server_env(a, a.attention_gpu, None),
-                                 extra=plain_extra, factor=ONE_OF))
-        elif mode == "plain_x2":
+                                 extra=plain_extra, factor=load_factor(a, mode)))
+        elif base == "plain_x2":
             for i, gpu in enumerate((a.attention_gpu, a.ffn_gpu)):
                 servers.append(start(a, f"plain_x2_{i}", work, env=server_env(a, gpu, None),
                                      extra=plain_extra))
         else:
-            cfg = dict(port=su.free_port(), connector=a.connector, timeout_s=a.afd_timeout)
-            if a.connector_extra:
-                cfg["connector_extra_config"] = json.loads(a.connector_extra)
+            cfg = dict(port=su.free_port(), connector=a.connector, timeout_s=a.afd_timeout,
+                       num_attention_ranks=a.engines)
+            if extra := su.schedule_extra(a.connector_extra, mode):
+                cfg["connector_extra_config"] = extra
             ffn = start(a, f"{mode}_ffn", work, afd=su.afd_config("ffn", **cfg),
                         env=server_env(a, a.ffn_gpu, a.attention_gpu))
             servers.append(ffn)
             extra = shlex.split(a.attention_args or "")
-            if mode == "afd_dbo":
+            if base == "afd_dbo":
                 extra.append("--enable-dbo")
-            attn = start(a, f"{mode}_attention", work, afd=su.afd_config("attention", **cfg),
-                         env=server_env(a, a.attention_gpu, a.ffn_gpu), extra=extra)
-            servers.insert(0, attn)
+            for i in range(a.engines):
+                name = f"{mode}_attention" + ("" if a.engines == 1 else f"_{i}")
+                attn = start(a, name, work, afd=su.afd_config("attention", rank=i, **cfg),
+                             env=server_env(a, a.attention_gpu, a.ffn_gpu), extra=extra)
+                servers.insert(i, attn)
         took = su.wait_all_healthy(servers, timeout=a.start_timeout)
         print("  healthy after " + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()),
               flush=True)
@@ -209,8 +242,7 @@ def run_clients(a, mode: str, clients: list[su.Server], work: Path) -> list[dict
     procs = []
     for srv in clients:
         log = open(work / f"{srv.name}_bench.log", "w")
-        cmd = bench_command(a, srv.url, work, f"{srv.name}_result",
-                            ONE_OF if mode == "plain_one" else 1)
+        cmd = bench_command(a, srv.url, work, f"{srv.name}_result", load_factor(a, mode))
         procs.append((srv, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL), log))
     deadline = time.monotonic() + a.timeout
@@ -248,9 +280,9 @@ def combine(results: list[dict]) -> dict:
 
 def measure(a, mode: str, work: Path) -> dict:
     servers = servers_for(a, mode, work)
+    n = client_count(a, mode)
     try:
-        clients = servers[:2] if mode == "plain_x2" else servers[:1]
-        results = run_clients(a, mode, clients, work)
+        results = run_clients(a, mode, servers[:n], work)
         for srv in servers:
             srv.check_alive()
     finally:
@@ -258,8 +290,8 @@ def measure(a, mode: str, work: Path) -> dict:
     fig = combine(results)
     if mode.startswith("afd"):
         fig["ffn_graph_captures"] = ffn_captures(
-            servers[1].log_path.read_text(errors="replace"))
-    want = a.num_prompts * len(results) * (ONE_OF if mode == "plain_one" else 1)
+            servers[n].log_path.read_text(errors="replace"))
+    want = a.num_prompts * len(results) * load_factor(a, mode)
     if int(fig.get("completed", 0)) != want:
         raise BenchError(f"{mode}: {fig.get('completed')} of {want} requests completed")
     return fig
@@ -292,6 +324,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="MoE routing of every server: the checkpoint's router or afd_balanced")
     p.add_argument("--connector", default="gloo")
     p.add_argument("--connector-extra", help="JSON connector_extra_config for both AFD roles")
+    p.add_argument("--ffn-schedule", default="join",
+                   help="comma list of FFN schedules (connector_extra_config.ffn_schedule: "
+                   "join, pingpong, auto); every AFD mode runs once per schedule, a run of "
+                   "another than join named MODE_SCHEDULE (afd_pingpong)")
+    p.add_argument("--engines", type=int, default=1, metavar="M",
+                   help="M >= 2: plain runs M replicas, plain_one one server of M times the "
+                   "load, afd M attention servers of one FFN server, each sent "
+                   "--num-prompts requests (on CUDA all on the attention GPU, with --mps)")
     p.add_argument("--afd-timeout", type=float, default=120.0, help="AFD timeout_s")
     p.add_argument("--attention-gpu", default="0", help="GPU of plain / the attention server")
     p.add_argument("--ffn-gpu", default="1", help="GPU of the FFN server (plain_x2: the "
@@ -319,6 +359,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--modes: unknown {bad} (choose from {', '.join(MODES)})")
     if len(set(modes)) < len(modes):
         p.error(f"--modes {a.modes}: a mode given twice (--rounds N measures each N times)")
+    try:
+        modes = su.with_schedules(modes, su.parse_schedules(a.ffn_schedule))
+        su.schedule_extra(a.connector_extra, "afd")
+    except ValueError as e:
+        p.error(str(e))
+    if a.engines < 1:
+        p.error("--engines must be at least 1")
+    if a.engines > 1 and "plain_x2" in modes:
+        p.error("--engines M: plain runs the M replicas (plain_x2 is two replicas on two "
+                "GPUs, a 1A1F comparison)")
+    if a.engines > 1 and a.device == "cuda" and not a.mps:
+        p.error("--engines M on CUDA needs --mps: M servers time-sliced on one GPU measure "
+                "nothing useful")
     if "plain_x2" in modes and (a.device != "cuda" or (a.attention_gpu == a.ffn_gpu
                                                        and not a.mps)):
         p.error("--modes plain_x2 needs two GPUs (--device cuda, --attention-gpu and "
@@ -335,7 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "plain_one" in modes:
         try:
             scaled_args(shlex.split(a.serve_args or "") + shlex.split(a.plain_args or ""),
-                        ONE_OF)
+                        load_factor(a, "plain_one"))
         except (ValueError, json.JSONDecodeError) as e:
             p.error(f"--modes plain_one: cannot double the server sizes: {e}")
     roofline.check_arguments(p, a)
@@ -347,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     su.install_cleanup()
     print(f"model {a.model} ({a.load_format}), device {a.device}, {a.num_prompts} requests "
-          f"of {a.input_len} + {a.output_len} tokens per server, connector {a.connector}, "
+          f"of {a.input_len} + {a.output_len} tokens per server, engines {a.engines}, "
+          f"connector {a.connector}, FFN schedule(s) {a.ffn_schedule}, "
           f"routing {a.routing}; GPU sharing: {'MPS' if a.mps else 'time-sliced (no MPS)'}; "
           f"serve args: {a.serve_args or '-'}; plain only: {a.plain_args or '-'}; AFD "
           f"attention only: {a.attention_args or '-'}", flush=True)
@@ -423,9 +477,10 @@ def print_table(a, results: list[dict]) -> None:
 
 def serve_bound(a, mode: str, model, card):
     """The roofline of one decode step of a mode with every request running (concurrency
-    ``--max-concurrency`` or ``--num-prompts`` per client): plain one engine; plain_x2 two
-    replicas (their bytes add up on one GPU under MPS, else each GPU bounds its own);
-    plain_one one engine of both replicas' load; AFD its two roles (one GPU or two)."""
+    ``--max-concurrency`` or ``--num-prompts`` per client): plain one engine (``--engines``
+    replicas on one GPU); plain_x2 two replicas (their bytes add up on one GPU under MPS,
+    else each GPU bounds its own); plain_one one engine of the replicas' load; AFD its
+    roles, M attention ranks with ``--engines`` (one GPU or two)."""
     from dataclasses import replace
 
     from vllm.afd import plan
@@ -434,16 +489,17 @@ def serve_bound(a, mode: str, model, card):
     ctx = a.input_len + a.output_len / 2
     routing = roofline.routing_of(a.routing)
     one_gpu = a.device != "cuda" or a.attention_gpu == a.ffn_gpu
-    if mode == "plain":
-        return plan.step_bound(model, card, "plain", 1, n, ctx, routing)
-    if mode == "plain_one":
-        return plan.step_bound(model, card, "plain_one", ONE_OF, n, ctx, routing)
-    if mode == "plain_x2":
+    base = split_mode(mode)[0]
+    if base == "plain":
+        return plan.step_bound(model, card, "plain", a.engines, n, ctx, routing)
+    if base == "plain_one":
+        return plan.step_bound(model, card, "plain_one", load_factor(a, mode), n, ctx, routing)
+    if base == "plain_x2":
         if one_gpu:
             return plan.step_bound(model, card, "plain", 2, n, ctx, routing)
         b = plan.step_bound(model, card, "plain", 1, n, ctx, routing)
         return replace(b, tokens=2 * n)  # each GPU its replica's step
-    return plan.step_bound(model, card, "afd", 1, n, ctx, routing, same_gpu=one_gpu)
+    return plan.step_bound(model, card, "afd", a.engines, n, ctx, routing, same_gpu=one_gpu)
 
 
 def roofline_setup(a):

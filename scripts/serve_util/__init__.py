@@ -25,7 +25,8 @@ One module per concern, every public name also here:
 * :mod:`serve_util.logs`: log tails, the root-cause traceback, waiting for a line;
 * :mod:`serve_util.client`: HTTP GET/POST, completions (streamed or not), their choices;
 * :mod:`serve_util.stats`: logprob differences, the order of rounds, the median run;
-* :mod:`serve_util.server`: :class:`Server`, one ``vllm serve`` process.
+* :mod:`serve_util.server`: :class:`Server`, one ``vllm serve`` process;
+* :mod:`serve_util.modes`: a benchmark's AFD modes once per FFN schedule.
 
 Every server runs in a process group of its own (``start_new_session=True``) so that
 ``stop_process_group`` reaches the API server and its engine-core children, and every
@@ -66,6 +67,13 @@ from serve_util.logs import (  # noqa: F401
     find_traceback,
     log_tail,
     wait_for_log,
+)
+from serve_util.modes import (  # noqa: F401
+    FFN_SCHEDULES,
+    parse_schedules,
+    schedule_extra,
+    split_mode,
+    with_schedules,
 )
 from serve_util.ports import (  # noqa: F401
     LISTEN_WINDOW_START,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import decode  # benchmarks/decode.py
+import serve_util as su
 import pytest
 
 from vllm.afd import plan
@@ -39,15 +40,15 @@ def test_every_afd_mode_runs_once_per_ffn_schedule():
     assert modes == ["plain", "plain_one", "afd", "afd_pingpong", "afd_dbo", "afd_dbo_pingpong"]
     assert [decode.split_mode(m) for m in modes[2:]] == [
         ("afd", "join"), ("afd", "pingpong"), ("afd_dbo", "join"), ("afd_dbo", "pingpong")]
-    assert decode.connector_extra(a, "afd") == {"ffn_hot_poll": False}
-    assert decode.connector_extra(a, "afd_dbo_pingpong") == {"ffn_hot_poll": False,
-                                                             "ffn_schedule": "pingpong"}
+    assert su.schedule_extra(a.connector_extra, "afd") == {"ffn_hot_poll": False}
+    assert su.schedule_extra(a.connector_extra, "afd_dbo_pingpong") == {
+        "ffn_hot_poll": False, "ffn_schedule": "pingpong"}
     assert decode.check_sweep(decode.build_parser(), args("--ffn-schedule", "pingpong"))[2] \
         == ["plain", "afd_pingpong"]
     assert decode.split_mode("afd_auto") == ("afd", "auto")
     # the benchmark's schedules are the configuration's
     from vllm.afd.connector_spec import FFN_SCHEDULES
-    assert decode.FFN_SCHEDULES == FFN_SCHEDULES
+    assert su.FFN_SCHEDULES == FFN_SCHEDULES
 
 
 def test_the_ffn_line_counts_joined_passes_and_interleaved_rounds():

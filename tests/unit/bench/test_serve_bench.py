@@ -1,6 +1,7 @@
-"""benchmarks/serve.py: its refusals of bad arguments. Its client half runs against a real
-AFD pair in tests/cpu/test_afd_serve.py (the servers are those of serve_util, which that
-module starts and stops)."""
+"""benchmarks/serve.py: its refusals of bad arguments, and the servers and clients of each
+mode with --engines M and --ffn-schedule (server starts stood in for). Its client half runs
+against a real AFD pair in tests/cpu/test_afd_serve.py (the servers are those of
+serve_util, which that module starts and stops)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def run(args: list[str], env=None, timeout=600) -> subprocess.CompletedProcess:
         (["--warmups", "-1"], r"--warmups must be at least 0"),
         (["--rounds", "0"], r"--rounds must be at least 1"),
         (["--modes", "plain,afd,plain"], r"a mode given twice"),
+        (["--engines", "0"], r"--engines must be at least 1"),
+        (["--engines", "2", "--modes", "plain_x2", "--device", "cuda", "--mps"],
+         r"--engines M: plain runs the M replicas"),
+        (["--engines", "3", "--device", "cuda"], r"--engines M on CUDA needs --mps"),
+        (["--ffn-schedule", "join,zigzag"], r"--ffn-schedule join,zigzag: a comma list"),
+        (["--connector-extra", '{"ffn_schedule": "pingpong"}'],
+         r"give the FFN schedule with --ffn-schedule"),
     ],
 )
 def test_bad_arguments_are_refused(args, message, tmp_path):
@@ -74,3 +82,52 @@ def test_balanced_routing_reaches_every_server(tmp_path):
     assert env[su.ROUTING_ENV] == "afd_balanced" and env["CUDA_VISIBLE_DEVICES"] == "1,0"
     p = run([*base, "--routing", "skewed"], timeout=60)
     assert p.returncode == 2 and "--routing" in p.stderr
+
+
+class _Started:
+    """A stand-in server: its name, the --afd-config it was given, its load factor."""
+
+    def __init__(self, name, afd, factor, log_path):
+        self.name, self.afd, self.factor, self.log_path = name, afd, factor, log_path
+
+
+def test_engines_m_starts_replicas_one_server_and_ma1f_per_schedule(tmp_path, monkeypatch):
+    """--engines 3: plain is three replicas (each a client), plain_one one server of three
+    times the load (one client), afd one FFN server of three attention ranks 0..2 (each a
+    client) once per FFN schedule, the schedule in both roles' connector_extra_config."""
+    import serve as bench  # benchmarks/serve.py
+
+    import serve_util as su
+
+    a = bench.parse_args(["--model", str(tmp_path), "--engines", "3", "--modes",
+                          "plain,plain_one,afd", "--ffn-schedule", "join,pingpong",
+                          "--connector-extra", '{"ffn_hot_poll": false}'])
+    assert a.modes == ["plain", "plain_one", "afd", "afd_pingpong"]
+
+    def start(a, name, work, *, afd=None, env=None, extra=None, factor=1):
+        return _Started(name, afd, factor, tmp_path / f"{name}.log")
+
+    monkeypatch.setattr(bench, "start", start)
+    monkeypatch.setattr(su, "wait_all_healthy", lambda servers, timeout: {})
+    got = {m: bench.servers_for(a, m, tmp_path) for m in a.modes}
+    assert [s.name for s in got["plain"]] == ["plain_0", "plain_1", "plain_2"]
+    assert [(s.name, s.factor) for s in got["plain_one"]] == [("plain_one", 3)]
+    servers = got["afd_pingpong"]
+    assert [s.name for s in servers] == ["afd_pingpong_attention_0", "afd_pingpong_attention_1",
+                                         "afd_pingpong_attention_2", "afd_pingpong_ffn"]
+    assert [s.afd.get("rank") for s in servers[:3]] == [0, 1, 2]
+    for s in servers:
+        assert s.afd["num_attention_ranks"] == 3
+        assert s.afd["connector_extra_config"] == {"ffn_hot_poll": False,
+                                                   "ffn_schedule": "pingpong"}
+    assert got["afd"][3].afd["connector_extra_config"] == {"ffn_hot_poll": False}
+    assert [bench.client_count(a, m) for m in a.modes] == [3, 1, 3, 3]
+    assert [bench.load_factor(a, m) for m in a.modes] == [1, 3, 1, 1]
+    cmd = bench.bench_command(a, "http://x", tmp_path, "r", bench.load_factor(a, "plain_one"))
+    assert cmd[cmd.index("--num-prompts") + 1] == str(3 * a.num_prompts)
+    # one engine: plain is one server, plain_one takes plain_x2's two replicas' load
+    one = bench.parse_args(["--model", str(tmp_path), "--modes", "plain,plain_one,afd"])
+    assert [bench.client_count(one, m) for m in one.modes] == [1, 1, 1]
+    assert bench.load_factor(one, "plain_one") == 2
+    assert [s.name for s in bench.servers_for(one, "afd", tmp_path)] == ["afd_attention",
+                                                                       "afd_ffn"]
