@@ -459,7 +459,8 @@ def print_table(a, results: list[dict]) -> None:
     base, one = median.get("plain"), median.get("plain_one")
     bounds = any(r.get("bound_tok_s") for r in median.values())
     span = f"   [median of {a.rounds} rounds]" if a.rounds > 1 else ""
-    print("\nmode       output tok/s   vs plain" + ("  vs plain_one" if one else "")
+    w = max(10, *(len(m) for m in median))  # afd_dbo_pingpong
+    print("\n" + "mode".ljust(w) + " output tok/s   vs plain" + ("  vs plain_one" if one else "")
           + "   mean TPOT ms   mean TTFT ms"
           + ("   decode bound tok/s  of bound" if bounds else "") + span)
     for mode, r in median.items():
@@ -470,7 +471,7 @@ def print_table(a, results: list[dict]) -> None:
         vs_one = (f"  {tput / one['output_throughput']:11.2f}x" if one else "")
         bound = (f"   {r['bound_tok_s']:18.0f}  {tput / r['bound_tok_s']:8.1%}"
                  if r.get("bound_tok_s") else ("   -" if bounds else ""))
-        print(f"{mode:10s} {tput:12.1f}   {ratio:>8s}{vs_one}   "
+        print(f"{mode:{w}s} {tput:12.1f}   {ratio:>8s}{vs_one}   "
               f"{r.get('mean_tpot_ms', float('nan')):12.2f}   "
               f"{r.get('mean_ttft_ms', float('nan')):12.1f}{bound}{spread}")
 

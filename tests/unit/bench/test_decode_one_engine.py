@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import decode  # benchmarks/decode.py
-import serve_util as su
 import pytest
 
+import serve_util as su
 from vllm.afd import plan
 
 DECODE = Path(decode.__file__)
