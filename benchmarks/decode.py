@@ -851,11 +851,9 @@ def add_bounds(a, summary: list[dict], model, card) -> None:
     same_gpu = a.device != "cuda" or a.attention_gpu == a.ffn_gpu
     context = a.input_len + a.output_len / 2
     for row in summary:
-        base, schedule = split_mode(row["mode"])
-        if schedule == "auto":  # a mix of joined and interleaved rounds: no one bound
+        mode = roofline.bound_mode(*split_mode(row["mode"]))
+        if mode is None:  # auto: a mix of joined and interleaved rounds, no one bound
             continue
-        mode = "afd_pingpong" if schedule == "pingpong" else "afd" if base.startswith(
-            "afd") else base
         routing = roofline.routing_of(row["routing"])
         b = plan.step_bound(model, card, mode, a.engines, row["batch"], context, routing,
                             same_gpu)

@@ -96,6 +96,18 @@ def routing_of(routing: str) -> str:
     return "balanced" if routing == "balanced" else "uniform"
 
 
+def bound_mode(base: str, schedule: str) -> str | None:
+    """The ``vllm.afd.plan.step_bound`` mode of a benchmark mode (its base and FFN schedule,
+    serve_util.split_mode): an AFD mode's bound is its schedule's (pingpong: each rank's
+    step served apart, the experts read once a rank); ``auto`` mixes joined and interleaved
+    rounds and has no one bound (None)."""
+    if schedule == "auto":
+        return None
+    if base.startswith("afd"):
+        return "afd_pingpong" if schedule == "pingpong" else "afd"
+    return base
+
+
 def describe(card, model, context: float) -> str:
     return (f"roofline: {card.name}, {card.hbm_tbs:g} TB/s, {card.bf16_tflops:g} TFLOP/s bf16; "
             f"{model.name}: {model.layers} layers, {model.experts} experts top-{model.top_k}, "

@@ -426,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} failed: {e}", file=sys.stderr, flush=True)
                 return 1
             fig.update(mode=mode, round=rnd, wall_s=time.perf_counter() - t0)
-            if card is not None:
-                b = serve_bound(a, mode, model, card)
+            if card is not None and (b := serve_bound(a, mode, model, card)) is not None:
                 fig.update(bound_tok_s=b.tok_s, of_bound=fig["output_throughput"] / b.tok_s,
                            bound_step_s=b.step_s)
             results.append(fig)
@@ -481,7 +480,8 @@ def serve_bound(a, mode: str, model, card):
     ``--max-concurrency`` or ``--num-prompts`` per client): plain one engine (``--engines``
     replicas on one GPU); plain_x2 two replicas (their bytes add up on one GPU under MPS,
     else each GPU bounds its own); plain_one one engine of the replicas' load; AFD its
-    roles, M attention ranks with ``--engines`` (one GPU or two)."""
+    roles, M attention ranks with ``--engines`` (one GPU or two), by the FFN schedule
+    (roofline.bound_mode; None for auto, which has no one bound)."""
     from dataclasses import replace
 
     from vllm.afd import plan
@@ -490,7 +490,7 @@ def serve_bound(a, mode: str, model, card):
     ctx = a.input_len + a.output_len / 2
     routing = roofline.routing_of(a.routing)
     one_gpu = a.device != "cuda" or a.attention_gpu == a.ffn_gpu
-    base = split_mode(mode)[0]
+    base, schedule = split_mode(mode)
     if base == "plain":
         return plan.step_bound(model, card, "plain", a.engines, n, ctx, routing)
     if base == "plain_one":
@@ -500,7 +500,10 @@ def serve_bound(a, mode: str, model, card):
             return plan.step_bound(model, card, "plain", 2, n, ctx, routing)
         b = plan.step_bound(model, card, "plain", 1, n, ctx, routing)
         return replace(b, tokens=2 * n)  # each GPU its replica's step
-    return plan.step_bound(model, card, "afd", a.engines, n, ctx, routing, same_gpu=one_gpu)
+    kind = roofline.bound_mode(base, schedule)
+    if kind is None:
+        return None
+    return plan.step_bound(model, card, kind, a.engines, n, ctx, routing, same_gpu=one_gpu)
 
 
 def roofline_setup(a):

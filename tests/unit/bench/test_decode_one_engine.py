@@ -240,6 +240,18 @@ def test_serve_bounds_and_table(tmp_path, capsys):
     assert b["plain_one"] == plan.step_bound(model, card, "plain_one", 2, 64, ctx, "balanced")
     assert b["plain_x2"] == plan.step_bound(model, card, "plain", 2, 64, ctx, "balanced")
     assert b["afd"] == plan.step_bound(model, card, "afd", 1, 64, ctx, "balanced")
+    # --engines 3 and the FFN schedules: replicas, the one server of 3 x the load, MA1F by
+    # its schedule (pingpong reads the experts once a rank), none for auto
+    m3 = bench.parse_args(["--model", str(model_dir), "--device", "cuda", "--mps",
+                           "--attention-gpu", "0", "--ffn-gpu", "0", "--routing", "balanced",
+                           "--num-prompts", "64", "--input-len", "64", "--output-len", "256",
+                           "--engines", "3", "--modes", "plain,plain_one,afd",
+                           "--ffn-schedule", "join,pingpong,auto", "--card", "h200"])
+    b3 = {m: bench.serve_bound(m3, m, model, card) for m in m3.modes}
+    for mode, kind, engines in (("plain", "plain", 3), ("plain_one", "plain_one", 3),
+                                ("afd", "afd", 3), ("afd_pingpong", "afd_pingpong", 3)):
+        assert b3[mode] == plan.step_bound(model, card, kind, engines, 64, ctx, "balanced")
+    assert b3["afd_pingpong"].bytes > b3["afd"].bytes and b3["afd_auto"] is None
     a.ffn_gpu = "1"  # two GPUs: each replica bounded by its own GPU
     two = bench.serve_bound(a, "plain_x2", model, card)
     assert two.tokens == 128 and two.step_s == pytest.approx(b["plain"].step_s)
