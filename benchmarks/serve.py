@@ -64,7 +64,6 @@ import mps  # noqa: E402  (benchmarks/mps.py)
 import roofline  # noqa: E402  (benchmarks/roofline.py)
 
 import serve_util as su  # noqa: E402
-from serve_util import split_mode  # noqa: E402
 
 MODES = ("plain", "afd", "afd_dbo", "plain_x2", "plain_one")
 # plain_one serves the requests of plain_x2's two replicas in one server.
@@ -104,7 +103,7 @@ def ffn_captures(log_text: str) -> list[dict]:
 def load_factor(a, mode: str) -> int:
     """How many servers' load one server of ``mode`` takes: plain_one the M replicas'
     (``--engines``), or plain_x2's two; every other mode's server its own."""
-    if split_mode(mode)[0] != "plain_one":
+    if su.split_mode(mode)[0] != "plain_one":
         return 1
     return a.engines if a.engines > 1 else ONE_OF
 
@@ -112,7 +111,7 @@ def load_factor(a, mode: str) -> int:
 def client_count(a, mode: str) -> int:
     """The servers of a mode a client is sent requests to (they come first in the list
     servers_for returns): plain_x2's two, M replicas or attention servers, else one."""
-    base = split_mode(mode)[0]
+    base = su.split_mode(mode)[0]
     if base == "plain_x2":
         return 2
     return 1 if base == "plain_one" else a.engines
@@ -197,7 +196,7 @@ def servers_for(a, mode: str, work: Path) -> list[su.Server]:
     """Start the servers of one mode (FFN first) and wait until all are healthy; the
     ones the client talks to come first in the returned list."""
     servers: list[su.Server] = []
-    base = split_mode(mode)[0]
+    base = su.split_mode(mode)[0]
     try:
         plain_extra = shlex.split(a.plain_args or "")
         if base == "plain":
@@ -490,7 +489,7 @@ def serve_bound(a, mode: str, model, card):
     ctx = a.input_len + a.output_len / 2
     routing = roofline.routing_of(a.routing)
     one_gpu = a.device != "cuda" or a.attention_gpu == a.ffn_gpu
-    base, schedule = split_mode(mode)
+    base, schedule = su.split_mode(mode)
     if base == "plain":
         return plan.step_bound(model, card, "plain", a.engines, n, ctx, routing)
     if base == "plain_one":

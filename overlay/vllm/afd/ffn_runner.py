@@ -428,10 +428,9 @@ class FFNModelRunner:
         self.graph_replays = 0
         # With a data plane the host drives (gloo, nixl: no step graph) and the key
         # ffn_layer_graphs, the FFN rank replays CUDA graphs of each layer's block instead:
-        # a (layer, token count) that recurs is captured (the same CaptureRule, as many
-        # graphs per layer as steps may have; _layer_graph). Eager, a MoE
-        # block's launches take the host longer than its kernels take the device at decode
-        # sizes.
+        # a (layer, token count) that recurs is captured (_layer_graph, by the same rule as
+        # steps, with as many graphs per layer as steps may have). Eager, a MoE block's
+        # launches take the host longer than its kernels take the device at decode sizes.
         self.layer_graphs_enabled = layer_graphs_wanted(
             self.device.type, self.connector.graph_capable, extra, self.group is not None
         )
