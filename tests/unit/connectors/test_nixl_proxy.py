@@ -4,7 +4,8 @@ the writes it is asked to post and hands out the notifications the test queues. 
 the doorbell (a record posts exactly one write, per lane, in order; a stale record posts
 nothing), the reply flag (advanced over replies received in order only), the step control
 sent on, a lost reply (the device wait's error word ends the session by name), a failed
-post, the release and a new session starting from message 0, and the shutdown."""
+post, the report of where the time went (the host's timings beside the device waits'
+durations), the release and a new session starting from message 0, and the shutdown."""
 
 from __future__ import annotations
 
@@ -76,7 +77,9 @@ def rig():
     agent = FakeAgent()
     records, controls = nd.HostWords(LANES * nd.RING), nd.HostWords(nd.RING)
     flags, err = nd.HostWords(LANES), nd.HostWords(1)
-    proxy = nd.Proxy(agent, records, controls, flags, LANES, spin_s=0.0, err=err)
+    waited = nd.HostWords(LANES * nd.WAIT_KEEP)
+    proxy = nd.Proxy(agent, records, controls, flags, LANES, spin_s=0.0, err=err,
+                     waited=waited)  # fmt: skip
     yield agent, proxy, records, controls, flags, err
     proxy.stop()
 
@@ -138,10 +141,18 @@ def test_the_proxy_times_its_posts_and_the_peers_turns_and_logs_them_per_session
     assert m["posts"] == 6 and m["replies"] == 3, m
     assert 0 < m["post_us"] < 20_000 and m["poll_us"] > 0, m
     assert 20_000 <= m["turn_us"] < 1_000_000, m  # from the last post to the reply
+    # what the device's wait kernel stores: each wait's duration in ns, + 1, by message
+    waited = proxy.waited.words
+    for k, ns in enumerate([60_000, 50_000, 70_000]):
+        waited[k + 1] = ns + 1
     with caplog.at_level("INFO", logger=nd.logger.name):
         proxy.release(None)
     line = [r.getMessage() for r in caplog.records if "nixl proxy of FFN rank 0" in r.getMessage()]
     assert len(line) == 1 and "6 writes posted, 3 replies" in line[0], line
+    assert "device wait for a reply 60.0 us" in line[0], line
+    turn = float(line[0].split("turn (last write posted to its reply) ")[1].split(" us")[0])
+    assert f"less the turn: {60.0 - turn:.1f} us" in line[0], line
+    assert not waited.any()  # taken: the next report counts its own
     # a new session counts from nothing
     proxy.serve(Session(sid="s2").target, "FFN rank 0")
     assert proxy.stats.summary()["posts"] == 0

@@ -497,7 +497,8 @@ class NixlAttentionPlane(AttentionPlane):
             self._control_stream = torch.cuda.Stream(device=dev)
             self.proxy = nixl_device.Proxy(self.agent, self.lanes.records, self.lanes.controls,
                                            self.lanes.flags, LANES, self.spin_s,
-                                           err=self.lanes.err)  # fmt: skip
+                                           err=self.lanes.err,
+                                           waited=self.lanes.waited)  # fmt: skip
 
     def connect(self, link: Link, deadline: float) -> object:
         self._start()
@@ -516,6 +517,7 @@ class NixlAttentionPlane(AttentionPlane):
             self.agent.remove_peer(self.session.peer_agent)
         self.session = offer
         if self.proxy is not None:
+            self.proxy.report()  # the ended session's figures, before the reset clears them
             self.lanes.reset()  # between forwards: the new session starts at message 0
             self.proxy.serve(self._target(offer, link), link.peer)
             self._sessions += 1

@@ -60,6 +60,9 @@ POISON = 1 << 62
 COPY_BLOCK = 1024
 # The proxy's timings kept for its summary (ProxyStats): the last this many of each.
 STATS_KEEP = 4096
+# The device waits' own durations (the wait kernel's clock) kept per lane: the last this
+# many (the kernel indexes its ring by message number mod 64).
+WAIT_KEEP = 64
 # The proxy logs its summary at most this often while it serves (and when a session ends).
 STATS_LOG_S = 30.0
 
@@ -91,7 +94,7 @@ if triton is not None:
         tl.store(records + c % 4, word)  # RING
 
     @triton.jit(do_not_specialize=["timeout_ns"])
-    def _wait_kernel(ctr, flag, err, timeout_ns):
+    def _wait_kernel(ctr, flag, err, waited, timeout_ns):
         c = tl.load(ctr) + 1
         t0 = globaltimer()
         v = tl.load(flag, volatile=True)
@@ -101,6 +104,8 @@ if triton is not None:
             waiting = (v < c) & ((globaltimer() - t0) < timeout_ns)
         if v < c:
             tl.store(err, c)  # the message this wait gave up on
+        # how long it waited, + 1 (0 is "none"), in the lane's ring of WAIT_KEEP
+        tl.store(waited + c % 64, globaltimer() - t0 + 1)
         tl.store(ctr, c)
 
     @triton.jit
@@ -174,6 +179,7 @@ class DeviceLanes:
         self.controls = HostWords(RING, device)
         self.flags = HostWords(lanes, device)  # written by the proxy, read by kernels
         self.err = HostWords(1, device)
+        self.waited = HostWords(lanes * WAIT_KEEP, device)  # the waits' durations (ns + 1)
 
     def reset(self) -> None:
         """Between forwards (the device idle): a new session starts from message 0."""
@@ -184,6 +190,7 @@ class DeviceLanes:
         self.controls.zero()
         self.flags.zero()
         self.err.zero()
+        self.waited.zero()
 
     def send(self, lane: int, x: torch.Tensor, outbox: torch.Tensor, slot_bytes: int) -> None:
         n = x.numel()
@@ -199,7 +206,8 @@ class DeviceLanes:
     def recv(self, lane: int, out: torch.Tensor, inbox: torch.Tensor, slot_bytes: int,
              timeout_ns: int) -> None:  # fmt: skip
         ctr = self.counters[self.lanes + lane:]
-        _wait_kernel[(1,)](ctr, self.flags.at(lane), self.err, timeout_ns, num_warps=1)
+        _wait_kernel[(1,)](ctr, self.flags.at(lane), self.err,
+                           self.waited.at(lane * WAIT_KEEP), timeout_ns, num_warps=1)  # fmt: skip
         n = out.numel()
         if n:
             base = inbox[lane * RING * slot_bytes:(lane + 1) * RING * slot_bytes]
@@ -238,45 +246,65 @@ class Target:
 
 
 class ProxyStats:
-    """Where the proxy's time goes, per session: ``post`` (posting one write: a kept
-    request posted again, or a new one made and posted), ``poll`` (one round of taking the peer's
-    notifications), ``turn`` (from a lane's last write posted to the reply that answers
-    it: the peer's share of a hand-over - its wait for the bytes, its FFN layer, its reply
-    write - and the notification's way back). Seconds; the last STATS_KEEP of each."""
+    """Where a hand-over's time goes, per report: ``post`` (posting one write: a kept
+    request posted again, or a new one made and posted), ``poll`` (one round of taking the
+    peer's notifications), ``turn`` (from a lane's last write posted to the reply that
+    answers it: the peer's share of a hand-over - its wait for the bytes, its FFN layer,
+    its reply write - and the notification's way back), and ``wait`` (the device's: how
+    long the graph's wait for a reply spun, on the GPU's clock). ``wait`` less ``turn`` is
+    the proxy's own share: its wake-up on the doorbell, its post, and the reply flag's way
+    to the device. Seconds; the last STATS_KEEP of each (of ``wait``, the last WAIT_KEEP a
+    lane)."""
 
     def __init__(self):
         self.post: deque[float] = deque(maxlen=STATS_KEEP)
         self.poll: deque[float] = deque(maxlen=STATS_KEEP)
         self.turn: deque[float] = deque(maxlen=STATS_KEEP)
+        self.wait: list[float] = []
         self.posts = self.replies = 0
+
+    def take_waits(self, waited: HostWords) -> None:
+        """The device waits' durations stored since the last take (then cleared)."""
+        w = waited.words
+        got = w[w > 0]
+        w[:] = 0
+        self.wait.extend(float(v - 1) * 1e-9 for v in got)
 
     def summary(self) -> dict[str, float]:
         """Medians in microseconds (0 where none was taken) and the counts."""
         out: dict[str, float] = {"posts": self.posts, "replies": self.replies}
-        for name in ("post", "poll", "turn"):
+        for name in ("post", "poll", "turn", "wait"):
             d = getattr(self, name)
             out[f"{name}_us"] = statistics.median(d) * 1e6 if d else 0.0
         return out
 
     def line(self) -> str:
         m = self.summary()
-        return (f"{m['posts']:.0f} writes posted, {m['replies']:.0f} replies; median "
+        text = (f"{m['posts']:.0f} writes posted, {m['replies']:.0f} replies; median "
                 f"post {m['post_us']:.1f} us, notification poll {m['poll_us']:.1f} us, "
                 f"turn (last write posted to its reply) {m['turn_us']:.1f} us")
+        if self.wait:
+            text += (f", device wait for a reply {m['wait_us']:.1f} us (less the turn: "
+                     f"{m['wait_us'] - m['turn_us']:.1f} us of wake-up, post and flag)")
+        return text
 
 
 class Proxy:
     """The attention role's host proxy: posts what the device rang, turns the peer's
     notifications into reply flags, and reports a wait that gave up (the error word).
     One thread; ``agent`` is the plane's NIXL agent (``poll``, ``take_notes``, ``done``).
-    ``stats``: where its time goes in the session it serves (ProxyStats), logged when the
-    session ends and every STATS_LOG_S while it serves."""
+    ``stats``: where the time of the session it serves went since the last report
+    (ProxyStats; ``waited``: the device waits' durations), reported (logged, then counted
+    anew) when the session ends, before the device state is reset for another, and every
+    STATS_LOG_S while it serves."""
 
     def __init__(self, agent, records: HostWords, controls: HostWords, flags: HostWords,
                  lanes: int, spin_s: float, err: HostWords | None = None,
+                 waited: HostWords | None = None,
                  name: str = "afd-nixl-proxy"):  # fmt: skip
         self.agent = agent
         self.records, self.controls, self.flags, self.err = records, controls, flags, err
+        self.waited = waited
         self.lanes = lanes
         self.spin_s = spin_s
         self._lock = threading.Lock()
@@ -304,23 +332,32 @@ class Proxy:
     def serve(self, target: Target, who: str) -> None:
         """Serve ``target`` from message 0 (the rings and counters were zeroed)."""
         with self._lock:
-            self._log_stats()
+            self._report()
             self._reset_counts()
             self._target, self._who, self.error = target, who, None
 
     def release(self, why: str | None) -> None:
         """The session ended: post nothing more for it; device waits end at once."""
         with self._lock:
-            self._log_stats()
+            self._report()
             self._target = None
             if why is not None and self.error is None:
                 self.error = why
             self.flags.words[:] = POISON
 
-    def _log_stats(self) -> None:
-        """Under the lock: the summary of the session served so far (when it moved)."""
+    def report(self) -> None:
+        """Log where the time went since the last report; before the device state that
+        holds the waits' durations is reset."""
+        with self._lock:
+            self._report()
+
+    def _report(self) -> None:
+        """Under the lock: the summary since the last report (when anything moved)."""
         if self._target is not None and self.stats.posts:
+            if self.waited is not None:
+                self.stats.take_waits(self.waited)
             logger.info("AFD: nixl proxy of %s: %s", self._who, self.stats.line())
+            self.stats = ProxyStats()
         self._logged_at = time.monotonic()
 
     def stop(self) -> None:
@@ -358,8 +395,7 @@ class Proxy:
             if busy:
                 idle_since = now
                 if now - self._logged_at > STATS_LOG_S:
-                    with self._lock:
-                        self._log_stats()
+                    self.report()
             elif now - idle_since > self.spin_s:
                 time.sleep(0.0002 if t is not None else 0.01)
 
