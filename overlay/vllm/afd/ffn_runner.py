@@ -107,6 +107,10 @@ class CaptureRule:
             and kept < self.max_count
         )
 
+    def forget(self) -> None:
+        """Every shape starts anew (the graphs kept were dropped)."""
+        self.seen.clear()
+
 
 # A pass over a connector with async_io (TCP) waits this long for the layer inputs of its
 # late ranks once the first of its ranks has sent its own (or, when none has, since the
@@ -188,19 +192,17 @@ class AutoSchedule:
             self.periods[key][schedule].append(period)
 
 
-def layer_graphs_wanted(device_type: str, graph_capable: bool, extra: dict,
-                        grouped: bool) -> bool:  # fmt: skip
-    """Whether the FFN rank captures graphs of single layers' blocks: on a GPU, with a data
-    plane that cannot be captured in a step graph (the host drives it), when
-    connector_extra_config asks (ffn_layer_graphs, default false; ffn_cuda_graphs false
-    turns them off too); not in an FFN group (its steps run eagerly in this release)."""
-    return (
-        device_type == "cuda"
-        and not graph_capable
-        and bool(extra.get("ffn_cuda_graphs", True))
-        and bool(extra.get("ffn_layer_graphs", False))
-        and not grouped
-    )
+def graph_kinds(device_type: str, graph_capable: bool, extra: dict,
+                grouped: bool) -> tuple[bool, bool]:  # fmt: skip
+    """Which CUDA graphs the FFN rank captures: (step graphs, layer graphs). Either only on
+    a GPU, unless connector_extra_config.ffn_cuda_graphs is false, and not in an FFN group
+    (its steps run eagerly in this release). Step graphs (a whole step, the data plane's
+    device exchanges in it) where the plane can be captured; graphs of single layers'
+    blocks where it cannot (the host drives it) and ffn_layer_graphs asks (default
+    false)."""
+    allowed = device_type == "cuda" and bool(extra.get("ffn_cuda_graphs", True)) and not grouped
+    layers = allowed and not graph_capable and bool(extra.get("ffn_layer_graphs", False))
+    return allowed and graph_capable, layers
 
 
 @dataclass
@@ -410,12 +412,14 @@ class FFNModelRunner:
         self.schedule = ffn_schedule(extra, grouped=self.group is not None)
         self.connector = create_ffn_connector(ctx)
         # FFN-side CUDA graphs, keyed by the step's (attention rank, token count)
-        # pairs: a key that recurs is captured (CaptureRule, _maybe_capture).
-        self.graphs_enabled = (
-            self.device.type == "cuda"
-            and self.connector.graph_capable
-            and bool(extra.get("ffn_cuda_graphs", True))
-            and self.group is None  # a group's steps run eagerly in this release
+        # pairs: a key that recurs is captured (CaptureRule, _maybe_capture). With a data
+        # plane the host drives (gloo, nixl: no step graph) and the key ffn_layer_graphs,
+        # the FFN rank replays CUDA graphs of each layer's block instead: a (layer, token
+        # count) that recurs is captured (_layer_graph, by the same rule as steps, with as
+        # many graphs per layer as steps may have). Eager, a MoE block's launches take the
+        # host longer than its kernels take the device at decode sizes.
+        self.graphs_enabled, self.layer_graphs_enabled = graph_kinds(
+            self.device.type, self.connector.graph_capable, extra, self.group is not None
         )
         ranks = len(cfg.attention_ranks_of(rank)) + int(cfg.ffn_failover)
         max_tokens = graph_token_limit(extra, ranks)
@@ -426,14 +430,6 @@ class FFNModelRunner:
         self._graph_gen = -1
         self._graph_pool = None
         self.graph_replays = 0
-        # With a data plane the host drives (gloo, nixl: no step graph) and the key
-        # ffn_layer_graphs, the FFN rank replays CUDA graphs of each layer's block instead:
-        # a (layer, token count) that recurs is captured (_layer_graph, by the same rule as
-        # steps, with as many graphs per layer as steps may have). Eager, a MoE block's
-        # launches take the host longer than its kernels take the device at decode sizes.
-        self.layer_graphs_enabled = layer_graphs_wanted(
-            self.device.type, self.connector.graph_capable, extra, self.group is not None
-        )
         self.layer_graphs: dict[tuple[int, int], _LayerGraph] = {}
         self.layer_rule = CaptureRule(window, max_tokens, max_count * len(self.modules))
         self.layer_graph_replays = 0
@@ -863,7 +859,7 @@ class FFNModelRunner:
         if self.connector.generation != self._graph_gen:
             # An attention rank (re)joined: its buffers moved.
             self.graphs.clear()
-            self.step_rule.seen.clear()
+            self.step_rule.forget()
             self._graph_gen = self.connector.generation
         graph = self.graphs.get(key)
         if graph is None:

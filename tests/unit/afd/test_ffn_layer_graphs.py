@@ -115,11 +115,15 @@ def test_limits_larger_steps_the_count_and_a_profiled_run_stay_eager():
 
 def test_layer_graphs_are_asked_for_and_only_where_no_step_graph_can_be():
     on = {"ffn_layer_graphs": True}
-    assert ffn_runner.layer_graphs_wanted("cuda", False, on, grouped=False)
-    assert not ffn_runner.layer_graphs_wanted("cuda", False, {}, grouped=False)  # default off
-    assert not ffn_runner.layer_graphs_wanted("cpu", False, on, grouped=False)
-    assert not ffn_runner.layer_graphs_wanted("cuda", True, on, grouped=False)  # step graphs
-    assert not ffn_runner.layer_graphs_wanted("cuda", False, on, grouped=True)
-    assert not ffn_runner.layer_graphs_wanted(
-        "cuda", False, {**on, "ffn_cuda_graphs": False}, grouped=False
-    )
+    kinds = ffn_runner.graph_kinds
+    assert kinds("cuda", False, on, grouped=False) == (False, True)
+    assert kinds("cuda", False, {}, grouped=False) == (False, False)  # default off
+    assert kinds("cpu", False, on, grouped=False) == (False, False)
+    assert kinds("cuda", True, on, grouped=False) == (True, False)  # step graphs instead
+    assert kinds("cuda", True, {}, grouped=False) == (True, False)
+    assert kinds("cpu", True, {}, grouped=False) == (False, False)
+    assert kinds("cuda", False, on, grouped=True) == (False, False)
+    assert kinds("cuda", True, on, grouped=True) == (False, False)
+    off = {**on, "ffn_cuda_graphs": False}
+    assert kinds("cuda", False, off, grouped=False) == (False, False)
+    assert kinds("cuda", True, off, grouped=False) == (False, False)

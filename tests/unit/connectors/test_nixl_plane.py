@@ -114,6 +114,7 @@ class _ScriptedNixl:
 
     def __init__(self, name, config):
         self.outcome, self.states, self.posts, self.released = "DONE", {}, [], []
+        self.checks = 0
 
     def get_xfer_descs(self, descs, mem):
         return descs
@@ -129,6 +130,7 @@ class _ScriptedNixl:
         return "PROC"
 
     def check_xfer_state(self, handle):
+        self.checks += 1
         return self.states[handle]
 
     def release_xfer_handle(self, handle):
@@ -138,7 +140,8 @@ class _ScriptedNixl:
 def test_a_kept_request_whose_post_failed_is_made_anew_and_kept(monkeypatch):
     """A kept request whose last post ended in ERR is released and replaced by the next
     write's new request, which is kept and posted again from then on (before: the failed
-    one stayed kept and every later write of that slot built a request of its own)."""
+    one stayed kept and every later write of that slot built a request of its own); the
+    failed request's state is read once on the way."""
     monkeypatch.setattr(nixl, "load_nixl", lambda: (_ScriptedNixl, lambda **kw: kw))
     agent = nixl.Agent("attention", 0, "UCX")
     fake = agent.agent
@@ -153,8 +156,10 @@ def test_a_kept_request_whose_post_failed_is_made_anew_and_kept(monkeypatch):
     with pytest.raises(nixl.AFDPeerError, match="a nixl write failed"):
         agent.done(first, "FFN rank 0")
     fake.outcome = "DONE"
+    checks = fake.checks
     second = write("c")
     assert second is not first and fake.released == [first.handle]
+    assert fake.checks == checks + 1  # the failed request's state read once, not again
     assert agent.kept() == 1 and agent.done(second, "FFN rank 0")
     third = write("d")
     assert third is second and agent.reposts == 2

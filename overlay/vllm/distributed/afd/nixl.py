@@ -184,7 +184,7 @@ class Agent:
             x = self._xfers.get(key)
             last = None if x is None else self.agent.check_xfer_state(x.handle)
             if last == "ERR":  # a request that failed is not posted again: made anew
-                self._uncache(self._xfers.pop(key))
+                self._uncache(self._xfers.pop(key), last)
             if last == "DONE":
                 self._xfers.move_to_end(key)
                 state = self.agent.transfer(x.handle, note.encode())
@@ -225,14 +225,16 @@ class Agent:
         with contextlib.suppress(Exception):  # NIXL keeps one it cannot free (its leak list)
             self.agent.release_xfer_handle(x.handle)
 
-    def _uncache(self, x: Xfer) -> None:
+    def _uncache(self, x: Xfer, state: str | None = None) -> None:
         """Under the lock: stop keeping ``x``; released now unless a post of it is in
-        flight (then ``done`` releases it once it completed)."""
+        flight (then ``done`` releases it once it completed). ``state``: its state when
+        the caller has just read it (else read here)."""
         x.cached = False
-        with contextlib.suppress(Exception):
-            if self.agent.check_xfer_state(x.handle) == "PROC":
-                return
-        self._release(x)
+        if state is None:
+            with contextlib.suppress(Exception):
+                state = self.agent.check_xfer_state(x.handle)
+        if state != "PROC":
+            self._release(x)
 
     def _drop_xfers(self, peer: str | None = None) -> None:
         """Under the lock: stop keeping the requests to ``peer`` (None: all)."""
