@@ -319,14 +319,18 @@ FFN_STATS = "AFD-FFN-STATS"
 def print_ffn_stats(runner) -> None:
     """The share of FFN passes that joined several attention ranks (M:N's gain comes from
     those: one read of the experts for all of them), the rounds that interleaved several
-    ranks' steps (ffn_schedule pingpong) and the FFN graphs captured and replayed (each
-    capture stalls the ranks served); measure() reads this line."""
+    ranks' steps (ffn_schedule pingpong) and the FFN graphs captured and replayed, of
+    whole steps and of single layers (ffn_layer_graphs; each capture stalls the ranks
+    served); measure() reads this line."""
     print(f"{FFN_STATS} " + json.dumps({"steps_served": runner.steps_served,
                                         "batched_steps": runner.batched_steps,
                                         "pingpong_steps": runner.pingpong_steps,
                                         "split_steps": runner.split_steps,
                                         "graphs": len(runner.graphs),
-                                        "graph_replays": runner.graph_replays}), flush=True)
+                                        "graph_replays": runner.graph_replays,
+                                        "layer_graphs": len(runner.layer_graphs),
+                                        "layer_graph_replays": runner.layer_graph_replays}),
+          flush=True)  # fmt: skip
 
 
 def ffn_stats(log: Path) -> dict | None:
@@ -403,11 +407,16 @@ def measure(a, base_args: list[str], mode: str, routing: str, work: Path, batch:
 
 def ffn_line(stats: dict) -> str:
     """What the FFN rank of an AFD run did: its passes, those that joined several attention
-    ranks, the rounds that interleaved several ranks' steps, its graphs."""
-    return (f"FFN passes {stats['steps_served']}, of them joining several attention ranks "
+    ranks, the rounds that interleaved several ranks' steps, its graphs (of single layers
+    too, where it captured or replayed any)."""
+    line = (f"FFN passes {stats['steps_served']}, of them joining several attention ranks "
             f"{stats['batched_steps']}; rounds interleaving several ranks (pingpong) "
             f"{stats.get('pingpong_steps', 0)}; FFN graphs captured {stats['graphs']}, "
             f"replayed {stats['graph_replays']} times")
+    if stats.get("layer_graphs") or stats.get("layer_graph_replays"):
+        line += (f"; layer graphs captured {stats['layer_graphs']}, replayed "
+                 f"{stats['layer_graph_replays']} times")
+    return line
 
 
 def start_ffn(a, args: list[str], env: dict, mode: str, tag: str, work: Path,

@@ -57,6 +57,12 @@ def test_the_ffn_line_counts_joined_passes_and_interleaved_rounds():
     assert line == ("FFN passes 300, of them joining several attention ranks 0; rounds "
                     "interleaving several ranks (pingpong) 280; FFN graphs captured 4, "
                     "replayed 290 times")
+    # an FFN rank on a plane the host drives (nixl) replays graphs of single layers
+    nixl = {"steps_served": 60, "batched_steps": 0, "pingpong_steps": 0, "graphs": 0,
+            "graph_replays": 0, "layer_graphs": 54, "layer_graph_replays": 1458}
+    assert decode.ffn_line(nixl).endswith(
+        "FFN graphs captured 0, replayed 0 times; layer graphs captured 54, replayed 1458 times"
+    )
 
 
 def test_plain_one_is_one_engine_of_all_the_sequences_and_their_kv_cache():
