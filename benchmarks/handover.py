@@ -22,7 +22,8 @@ copy + record kernels and bounded waits that its host proxy thread posts as NIXL
 against the FFN side's host loop (wait for the notification, copy out, copy in, write
 back); ``nixl-host``, the same NIXL writes and host loop on both sides with no kernel and
 no proxy (each side's host posts and waits): the floor of NIXL and the host loops, so that
-``nixl`` minus ``nixl-host`` is what the proxy and the device waits add.
+``nixl`` minus ``nixl-host`` is what the proxy and the device waits add. A second table
+says where a ``nixl`` hand-over goes, from its proxy's own timings (breakdown_table).
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ def nixl_side(torch, role: str, a, q_out, q_in) -> dict:
                                    s.peer_agent, note, "peer")  # fmt: skip
 
             proxy = nd.Proxy(agent, lanes.records, lanes.controls, lanes.flags, nx.LANES, 1.0,
-                             err=lanes.err)  # fmt: skip
+                             err=lanes.err, waited=lanes.waited)  # fmt: skip
             proxy.serve(nd.Target(variant, peer, write, None, losses.append), "peer")
         for tokens in a.tokens_list:
             x = torch.randn((tokens, a.hidden), dtype=torch.bfloat16, device=dev)
@@ -257,6 +258,7 @@ def nixl_side(torch, role: str, a, q_out, q_in) -> dict:
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()
+            proxy.take_stats()  # the warm-up's
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 graph.replay()
@@ -264,7 +266,8 @@ def nixl_side(torch, role: str, a, q_out, q_in) -> dict:
             dt = (time.perf_counter() - t0) / a.steps
             ok = bool(torch.equal(y, x)) and not losses
             out[f"{variant}/{tokens}"] = {"step_us": dt * 1e6, "err": lanes.error_word(),
-                                          "echo_ok": ok}  # fmt: skip
+                                          "echo_ok": ok,
+                                          "proxy": proxy.take_stats().summary()}  # fmt: skip
         if device_path:
             proxy.stop()
     return out
@@ -293,6 +296,21 @@ def run_side(role: str, a, q_out, q_in, results) -> None:
                 for v in a.variants for t in a.tokens_list})
     results.put((role, out))
     q_in.get()  # the peer's buffers stay mapped until the other side is done too
+
+
+def breakdown_table(split: dict[str, dict]) -> str:
+    """Where a hand-over of the nixl device path goes (the proxy's own timings, medians):
+    ``split`` maps "nixl/<tokens>" to its ProxyStats summary over the timed steps."""
+    rows = ["nixl device path, medians in us: post (the proxy posts a write), poll (one round",
+            "that took notifications), turn (write posted to the reply's notification: the FFN",
+            "side's loop and both transfers), device wait (the graph's wait, on the GPU's clock),",
+            "wait - turn (the proxy's wake-up on the record, its post, the flag's way back)",
+            "tokens     post     poll     turn     wait   wait-turn   writes"]
+    for key, m in split.items():
+        rows.append(f"{int(key.split('/')[1]):6d} {m['post_us']:8.1f} {m['poll_us']:8.1f} "
+                    f"{m['turn_us']:8.1f} {m['wait_us']:8.1f} {m['wait_us'] - m['turn_us']:11.1f} "
+                    f"{m['posts']:8.0f}")
+    return "\n".join(rows)
 
 
 def main() -> int:
@@ -344,6 +362,9 @@ def main() -> int:
         bad += not ok
         print(f"{variant:7s} {int(tokens):7d} {r['step_us']:9.1f} {per:18.2f}   "
               f"{'ok' if ok else 'WRONG'}")
+    split = {k: r["proxy"] for k, r in got["attention"].items() if "proxy" in r}
+    if split:
+        print(breakdown_table(split))
     if a.json:
         Path(a.json).write_text(json.dumps({"args": {k: v for k, v in vars(a).items()},
                                             "sharing": sharing, "results": got}, indent=1))

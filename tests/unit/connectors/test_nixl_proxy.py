@@ -158,6 +158,20 @@ def test_the_proxy_times_its_posts_and_the_peers_turns_and_logs_them_per_session
     assert proxy.stats.summary()["posts"] == 0
 
 
+def test_taking_the_stats_takes_the_device_waits_and_counts_anew(rig):
+    agent, proxy, records, _, _, _ = rig
+    s = Session()
+    proxy.serve(s.target, "FFN rank 0")
+    ring(records, 0, 0, 4096)
+    wait_until(lambda: len(s.writes) == 1, what="a post")
+    proxy.waited.words[nd.WAIT_KEEP + 1] = 9_000 + 1  # lane 1's first wait: 9 us
+    taken = proxy.take_stats()
+    assert taken.posts == 1 and taken.summary()["wait_us"] == 9.0
+    assert not proxy.waited.words.any()
+    again = proxy.take_stats()
+    assert again.posts == 0 and again.wait == []
+
+
 def test_step_controls_are_sent_on_once_each_in_order(rig):
     _, proxy, _, controls, _, _ = rig
     s = Session()

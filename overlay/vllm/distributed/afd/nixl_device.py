@@ -351,13 +351,22 @@ class Proxy:
         with self._lock:
             self._report()
 
+    def take_stats(self) -> ProxyStats:
+        """Where the time went since the last report or take (the device waits' durations
+        taken in); counted anew from here."""
+        with self._lock:
+            return self._take_stats()
+
+    def _take_stats(self) -> ProxyStats:
+        stats, self.stats = self.stats, ProxyStats()
+        if self.waited is not None:
+            stats.take_waits(self.waited)
+        return stats
+
     def _report(self) -> None:
         """Under the lock: the summary since the last report (when anything moved)."""
         if self._target is not None and self.stats.posts:
-            if self.waited is not None:
-                self.stats.take_waits(self.waited)
-            logger.info("AFD: nixl proxy of %s: %s", self._who, self.stats.line())
-            self.stats = ProxyStats()
+            logger.info("AFD: nixl proxy of %s: %s", self._who, self._take_stats().line())
         self._logged_at = time.monotonic()
 
     def stop(self) -> None:
