@@ -5,18 +5,24 @@ the doorbell (a record posts exactly one write, per lane, in order; a stale reco
 nothing), the reply flag (advanced over replies received in order only), the step control
 sent on, a lost reply (the device wait's error word ends the session by name), a failed
 post, the report of where the time went (the host's timings beside the device waits'
-durations), the release and a new session starting from message 0, and the shutdown."""
+durations; at the process's exit too), the release and a new session starting from
+message 0, and the shutdown."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from vllm.distributed.afd import nixl_device as nd
 
 LANES = 2
+TESTS = Path(__file__).resolve().parents[2]  # where overlay_import lives
 
 
 class FakeAgent:
@@ -170,6 +176,42 @@ def test_taking_the_stats_takes_the_device_waits_and_counts_anew(rig):
     assert not proxy.waited.words.any()
     again = proxy.take_stats()
     assert again.posts == 0 and again.wait == []
+
+
+EXIT_SCRIPT = """
+import time
+import overlay_import
+overlay_import.install()  # the AFD modules as they are in the tree
+from vllm.distributed.afd import nixl_device as nd
+
+class Agent:
+    def poll(self, who): pass
+    def done(self, handle, who): return True
+    def take_notes(self, peer, sid): return []
+
+records = nd.HostWords(2 * nd.RING)
+proxy = nd.Proxy(Agent(), records, nd.HostWords(nd.RING), nd.HostWords(2), 2, spin_s=0.0)
+posted = []
+proxy.serve(nd.Target("s1", "ffn-agent", lambda *w: posted.append(w) or object(), None,
+                      print), "FFN rank 0")
+records.words[0] = nd.record(0, 4096)
+end = time.monotonic() + 10
+while not posted and time.monotonic() < end:
+    time.sleep(0.01)
+print("posted", len(posted), flush=True)
+# the process ends here: no session ends, the proxy is not stopped
+"""
+
+
+def test_the_proxy_reports_when_the_process_exits_with_its_session_open():
+    """An engine ended by a signal closes no session: the proxy's last report comes at the
+    process's exit, so that a run shorter than the report period still logs its figures."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
+                         env=env, timeout=120)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "posted 1" in text, text
+    assert "nixl proxy of FFN rank 0: 1 writes posted, 0 replies" in text, text
 
 
 def test_step_controls_are_sent_on_once_each_in_order(rig):

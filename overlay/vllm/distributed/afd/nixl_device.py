@@ -28,6 +28,7 @@ on the CPU with DRAM buffers and host stores in place of the kernels (the unit t
 
 from __future__ import annotations
 
+import atexit
 import statistics
 import threading
 import time
@@ -296,7 +297,8 @@ class Proxy:
     ``stats``: where the time of the session it serves went since the last report
     (ProxyStats; ``waited``: the device waits' durations), reported (logged, then counted
     anew) when the session ends, before the device state is reset for another, and every
-    STATS_LOG_S while it serves."""
+    STATS_LOG_S while it serves, and once more when the process exits (an engine ended by
+    a signal closes no session)."""
 
     def __init__(self, agent, records: HostWords, controls: HostWords, flags: HostWords,
                  lanes: int, spin_s: float, err: HostWords | None = None,
@@ -315,6 +317,16 @@ class Proxy:
         self._reset_counts()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        atexit.register(self._report_at_exit)
+
+    def _report_at_exit(self) -> None:
+        """The last report, unless the lock is not free within a second (never block the
+        process's exit)."""
+        if self._lock.acquire(timeout=1.0):
+            try:
+                self._report()
+            finally:
+                self._lock.release()
 
     def _reset_counts(self) -> None:
         self.posted = [0] * self.lanes
@@ -370,6 +382,7 @@ class Proxy:
         self._logged_at = time.monotonic()
 
     def stop(self) -> None:
+        atexit.unregister(self._report_at_exit)
         self._stop.set()
         self._thread.join(5.0)
 
