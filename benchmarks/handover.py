@@ -298,15 +298,15 @@ def run_side(role: str, a, q_out, q_in, results) -> None:
     q_in.get()  # the peer's buffers stay mapped until the other side is done too
 
 
-def breakdown_table(split: dict[str, dict]) -> str:
+def breakdown_table(proxied: dict[str, dict]) -> str:
     """Where a hand-over of the nixl device path goes (the proxy's own timings, medians):
-    ``split`` maps "nixl/<tokens>" to its ProxyStats summary over the timed steps."""
+    ``proxied`` maps "nixl/<tokens>" to its ProxyStats summary over the timed steps."""
     rows = ["nixl device path, medians in us: post (the proxy posts a write), poll (one round",
             "that took notifications), turn (write posted to the reply's notification: the FFN",
             "side's loop and both transfers), device wait (the graph's wait, on the GPU's clock),",
             "wait - turn (the proxy's wake-up on the record, its post, the flag's way back)",
             "tokens     post     poll     turn     wait   wait-turn   writes"]
-    for key, m in split.items():
+    for key, m in proxied.items():
         rows.append(f"{int(key.split('/')[1]):6d} {m['post_us']:8.1f} {m['poll_us']:8.1f} "
                     f"{m['turn_us']:8.1f} {m['wait_us']:8.1f} {m['wait_us'] - m['turn_us']:11.1f} "
                     f"{m['posts']:8.0f}")
@@ -362,9 +362,9 @@ def main() -> int:
         bad += not ok
         print(f"{variant:7s} {int(tokens):7d} {r['step_us']:9.1f} {per:18.2f}   "
               f"{'ok' if ok else 'WRONG'}")
-    split = {k: r["proxy"] for k, r in got["attention"].items() if "proxy" in r}
-    if split:
-        print(breakdown_table(split))
+    proxied = {k: r["proxy"] for k, r in got["attention"].items() if "proxy" in r}
+    if proxied:
+        print(breakdown_table(proxied))
     if a.json:
         Path(a.json).write_text(json.dumps({"args": {k: v for k, v in vars(a).items()},
                                             "sharing": sharing, "results": got}, indent=1))

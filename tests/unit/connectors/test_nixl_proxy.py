@@ -178,6 +178,22 @@ def test_taking_the_stats_takes_the_device_waits_and_counts_anew(rig):
     assert again.posts == 0 and again.wait == []
 
 
+def test_serving_another_session_reports_the_ended_ones_device_waits(rig, caplog):
+    """The plane resets its device state between sessions without clearing the waits'
+    durations: the report at the next serve() takes the ended session's."""
+    agent, proxy, records, _, _, _ = rig
+    s = Session()
+    proxy.serve(s.target, "FFN rank 0")
+    ring(records, 0, 0, 4096)
+    wait_until(lambda: len(s.writes) == 1, what="a post")
+    proxy.waited.words[1] = 12_000 + 1
+    with caplog.at_level("INFO", logger=nd.logger.name):
+        proxy.serve(Session(sid="s2").target, "FFN rank 0")
+    line = [r.getMessage() for r in caplog.records if "nixl proxy of FFN rank 0" in r.getMessage()]
+    assert len(line) == 1 and "1 writes posted" in line[0], line
+    assert "device wait for a reply 12.0 us" in line[0], line
+
+
 EXIT_SCRIPT = """
 import time
 import overlay_import

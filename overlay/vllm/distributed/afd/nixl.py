@@ -519,7 +519,6 @@ class NixlAttentionPlane(AttentionPlane):
             self.agent.remove_peer(self.session.peer_agent)
         self.session = offer
         if self.proxy is not None:
-            self.proxy.report()  # the ended session's figures, before the reset clears them
             self.lanes.reset()  # between forwards: the new session starts at message 0
             self.proxy.serve(self._target(offer, link), link.peer)
             self._sessions += 1

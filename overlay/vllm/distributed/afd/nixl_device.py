@@ -191,7 +191,8 @@ class DeviceLanes:
         self.controls.zero()
         self.flags.zero()
         self.err.zero()
-        self.waited.zero()
+        # ``waited`` stays: the ended session's waits, which the proxy's report at the next
+        # serve() takes (the counters from message 0 overwrite only what it took)
 
     def send(self, lane: int, x: torch.Tensor, outbox: torch.Tensor, slot_bytes: int) -> None:
         n = x.numel()
@@ -296,9 +297,9 @@ class Proxy:
     One thread; ``agent`` is the plane's NIXL agent (``poll``, ``take_notes``, ``done``).
     ``stats``: where the time of the session it serves went since the last report
     (ProxyStats; ``waited``: the device waits' durations), reported (logged, then counted
-    anew) when the session ends, before the device state is reset for another, and every
-    STATS_LOG_S while it serves, and once more when the process exits (an engine ended by
-    a signal closes no session)."""
+    anew) when the session ends or another is served, every STATS_LOG_S while it serves,
+    and once more when the process exits (an engine ended by a signal closes no
+    session)."""
 
     def __init__(self, agent, records: HostWords, controls: HostWords, flags: HostWords,
                  lanes: int, spin_s: float, err: HostWords | None = None,
