@@ -230,6 +230,32 @@ def test_the_proxy_reports_when_the_process_exits_with_its_session_open():
     assert "nixl proxy of FFN rank 0: 1 writes posted, 0 replies" in text, text
 
 
+FORK_SCRIPT = """
+import multiprocessing
+import sys
+
+def child():
+    exec(sys.argv[1], {"__name__": "child"})  # EXIT_SCRIPT: one write posted, session open
+
+ctx = multiprocessing.get_context("fork")
+p = ctx.Process(target=child)
+p.start()
+p.join(60)
+print("child exit", p.exitcode, flush=True)
+"""
+
+
+def test_the_proxy_reports_when_a_forked_child_exits_with_its_session_open():
+    """A forked multiprocessing child (vLLM's engine core process) ends with os._exit,
+    which runs no atexit hook: the proxy's last report still comes."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", FORK_SCRIPT, EXIT_SCRIPT], capture_output=True,
+                         text=True, env=env, timeout=120)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "posted 1" in text and "child exit 0" in text, text
+    assert "nixl proxy of FFN rank 0: 1 writes posted, 0 replies" in text, text
+
+
 def test_step_controls_are_sent_on_once_each_in_order(rig):
     _, proxy, _, controls, _, _ = rig
     s = Session()

@@ -28,13 +28,13 @@ on the CPU with DRAM buffers and host stores in place of the kernels (the unit t
 
 from __future__ import annotations
 
-import atexit
 import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import util as mp_util
 
 import torch
 
@@ -318,7 +318,10 @@ class Proxy:
         self._reset_counts()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        atexit.register(self._report_at_exit)
+        # At the process's exit: multiprocessing's exit hook runs in the main process (at
+        # atexit) and in a multiprocessing child, forked ones included (which end with
+        # os._exit and run no atexit hook): an engine core is one.
+        self._at_exit = mp_util.Finalize(None, self._report_at_exit, exitpriority=10)
 
     def _report_at_exit(self) -> None:
         """The last report, unless the lock is not free within a second (never block the
@@ -383,7 +386,7 @@ class Proxy:
         self._logged_at = time.monotonic()
 
     def stop(self) -> None:
-        atexit.unregister(self._report_at_exit)
+        self._at_exit.cancel()
         self._stop.set()
         self._thread.join(5.0)
 
