@@ -362,8 +362,8 @@ class Proxy:
             self.flags.words[:] = POISON
 
     def report(self) -> None:
-        """Log where the time went since the last report; before the device state that
-        holds the waits' durations is reset."""
+        """Log where the time went since the last report (the device waits' durations
+        taken in), and count anew."""
         with self._lock:
             self._report()
 
