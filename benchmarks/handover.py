@@ -304,11 +304,13 @@ def breakdown_table(proxied: dict[str, dict]) -> str:
     rows = ["nixl device path, medians in us: post (the proxy posts a write), poll (one round",
             "that took notifications), turn (write posted to the reply's notification: the FFN",
             "side's loop and both transfers), device wait (the graph's wait, on the GPU's clock),",
-            "wait - turn (the proxy's wake-up on the record, its post, the flag's way back)",
+            "wait - turn (of the same last writes: the proxy's wake-up on the record, its",
+            "post, the flag's way back)",
             "tokens     post     poll     turn     wait   wait-turn   writes"]
     for key, m in proxied.items():
         rows.append(f"{int(key.split('/')[1]):6d} {m['post_us']:8.1f} {m['poll_us']:8.1f} "
-                    f"{m['turn_us']:8.1f} {m['wait_us']:8.1f} {m['wait_us'] - m['turn_us']:11.1f} "
+                    f"{m['turn_us']:8.1f} {m['wait_us']:8.1f} "
+                    f"{m['wait_us'] - m['turn_waited_us']:11.1f} "
                     f"{m['posts']:8.0f}")
     return "\n".join(rows)
 

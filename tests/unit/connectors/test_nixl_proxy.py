@@ -157,7 +157,7 @@ def test_the_proxy_times_its_posts_and_the_peers_turns_and_logs_them_per_session
     assert len(line) == 1 and "6 writes posted, 3 replies" in line[0], line
     assert "device wait for a reply 60.0 us" in line[0], line
     turn = float(line[0].split("turn (last write posted to its reply) ")[1].split(" us")[0])
-    assert f"less the turn: {60.0 - turn:.1f} us" in line[0], line
+    assert f"(the last 3; less their turn, {turn:.1f} us: {60.0 - turn:.1f} us" in line[0], line
     assert not waited.any()  # taken: the next report counts its own
     # a new session counts from nothing
     proxy.serve(Session(sid="s2").target, "FFN rank 0")
@@ -176,6 +176,21 @@ def test_taking_the_stats_takes_the_device_waits_and_counts_anew(rig):
     assert not proxy.waited.words.any()
     again = proxy.take_stats()
     assert again.posts == 0 and again.wait == []
+
+
+def test_the_wait_is_set_against_the_turns_of_the_same_last_writes():
+    """The device keeps only the last waits of a lane: the turn set against them is the
+    median of as many last replies, not of the whole report period (a prefill's long
+    turns early in it made the difference negative)."""
+    st = nd.ProxyStats()
+    st.turn.extend([900e-6] * 100 + [40e-6] * 4)
+    st.posts = st.replies = 104
+    waited = nd.HostWords(nd.WAIT_KEEP)
+    waited.words[:4] = 70_000 + 1
+    st.take_waits(waited)
+    m = st.summary()
+    assert m["turn_us"] == 900.0 and m["turn_waited_us"] == 40.0, m
+    assert "(the last 4; less their turn, 40.0 us: 30.0 us of wake-up, post and flag)" in st.line()
 
 
 def test_serving_another_session_reports_the_ended_ones_device_waits(rig, caplog):

@@ -255,8 +255,8 @@ class ProxyStats:
     its reply write - and the notification's way back), and ``wait`` (the device's: how
     long the graph's wait for a reply spun, on the GPU's clock). ``wait`` less ``turn`` is
     the proxy's own share: its wake-up on the doorbell, its post, and the reply flag's way
-    to the device. Seconds; the last STATS_KEEP of each (of ``wait``, the last WAIT_KEEP a
-    lane)."""
+    to the device; the two medians are taken over the same last writes (the waits kept are
+    the last WAIT_KEEP a lane). Seconds; the last STATS_KEEP of each."""
 
     def __init__(self):
         self.post: deque[float] = deque(maxlen=STATS_KEEP)
@@ -273,11 +273,16 @@ class ProxyStats:
         self.wait.extend(float(v - 1) * 1e-9 for v in got)
 
     def summary(self) -> dict[str, float]:
-        """Medians in microseconds (0 where none was taken) and the counts."""
+        """Medians in microseconds (0 where none was taken) and the counts;
+        ``turn_waited_us``: the turn's median over as many of the last replies as there
+        are device waits (the waits kept are the last ones), the turn to set against
+        ``wait_us``."""
         out: dict[str, float] = {"posts": self.posts, "replies": self.replies}
         for name in ("post", "poll", "turn", "wait"):
             d = getattr(self, name)
             out[f"{name}_us"] = statistics.median(d) * 1e6 if d else 0.0
+        last = list(self.turn)[-len(self.wait):] if self.wait else []
+        out["turn_waited_us"] = statistics.median(last) * 1e6 if last else out["turn_us"]
         return out
 
     def line(self) -> str:
@@ -286,8 +291,9 @@ class ProxyStats:
                 f"post {m['post_us']:.1f} us, notification poll {m['poll_us']:.1f} us, "
                 f"turn (last write posted to its reply) {m['turn_us']:.1f} us")
         if self.wait:
-            text += (f", device wait for a reply {m['wait_us']:.1f} us (less the turn: "
-                     f"{m['wait_us'] - m['turn_us']:.1f} us of wake-up, post and flag)")
+            text += (f", device wait for a reply {m['wait_us']:.1f} us (the last "
+                     f"{len(self.wait)}; less their turn, {m['turn_waited_us']:.1f} us: "
+                     f"{m['wait_us'] - m['turn_waited_us']:.1f} us of wake-up, post and flag)")
         return text
 
 
