@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -53,3 +54,10 @@ def install() -> None:
         sys.meta_path.insert(0, OverlayFinder())
     for name in [n for n in sys.modules if overlay_path(n) is not None]:
         del sys.modules[name]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a Python child that imports the AFD modules from the tree
+    (``import overlay_import; overlay_import.install()`` first), as this process does."""
+    tests_dir = Path(__file__).resolve().parent
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_dir), *sys.path])}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import prometheus_client
 import pytest
+from overlay_import import child_env
 
 from vllm.afd import failure, metrics
 
@@ -25,13 +26,6 @@ def mdir(tmp_path, monkeypatch):
     path.chmod(0o700)
     monkeypatch.setenv("VLLM_AFD_METRICS_DIR", str(path))
     return path
-
-
-def overlay_env() -> dict[str, str]:
-    """The environment of a Python child that imports the AFD modules from the tree
-    (``import overlay_import; overlay_import.install()`` first), as this process does."""
-    tests_dir = Path(__file__).resolve().parents[2]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests_dir), *sys.path])}
 
 
 def exposition(snapshots) -> dict[str, float]:
@@ -338,7 +332,7 @@ def test_failure_record_reaches_this_servers_engine_dead_error(mdir):
     # a child process of this one (like a worker) records its failure, then exits
     code = ("import overlay_import; overlay_import.install(); from vllm.afd import failure; "
             "failure.record('attention', 0, 'lost AFD peer FFN rank 0 at 10.0.0.2:29600')")
-    subprocess.run([sys.executable, "-c", code], check=True, env=overlay_env())
+    subprocess.run([sys.executable, "-c", code], check=True, env=child_env())
     assert failure.failure_of_this_server() == "lost AFD peer FFN rank 0 at 10.0.0.2:29600"
     msg = str(EngineDeadError())
     assert msg.startswith("EngineCore encountered an issue.")
@@ -364,7 +358,7 @@ def test_failure_record_reaches_an_api_server_that_is_pid_1(mdir):
     )
     out = subprocess.run(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", api_server],
-        env=overlay_env(), capture_output=True, text=True, timeout=100,
+        env=child_env(), capture_output=True, text=True, timeout=100,
     )  # fmt: skip
     assert out.returncode == 0, f"the pid-namespace run failed:\n{out.stdout}\n{out.stderr}"
     assert "PID 1\n" in out.stdout, out.stdout  # it really ran as pid 1

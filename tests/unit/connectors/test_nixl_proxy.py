@@ -10,19 +10,17 @@ message 0, and the shutdown."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from overlay_import import child_env
 
 from vllm.distributed.afd import nixl_device as nd
 
 LANES = 2
-TESTS = Path(__file__).resolve().parents[2]  # where overlay_import lives
 
 
 class FakeAgent:
@@ -237,9 +235,8 @@ print("posted", len(posted), flush=True)
 def test_the_proxy_reports_when_the_process_exits_with_its_session_open():
     """An engine ended by a signal closes no session: the proxy's last report comes at the
     process's exit, so that a run shorter than the report period still logs its figures."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
     out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
-                         env=env, timeout=120)  # fmt: skip
+                         env=child_env(), timeout=120)  # fmt: skip
     text = out.stdout + out.stderr
     assert out.returncode == 0 and "posted 1" in text, text
     assert "nixl proxy of FFN rank 0: 1 writes posted, 0 replies" in text, text
@@ -263,9 +260,8 @@ print("child exit", p.exitcode, flush=True)
 def test_the_proxy_reports_when_a_forked_child_exits_with_its_session_open():
     """A forked multiprocessing child (vLLM's engine core process) ends with os._exit,
     which runs no atexit hook: the proxy's last report still comes."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
     out = subprocess.run([sys.executable, "-c", FORK_SCRIPT, EXIT_SCRIPT], capture_output=True,
-                         text=True, env=env, timeout=120)  # fmt: skip
+                         text=True, env=child_env(), timeout=120)  # fmt: skip
     text = out.stdout + out.stderr
     assert out.returncode == 0 and "posted 1" in text and "child exit 0" in text, text
     assert "nixl proxy of FFN rank 0: 1 writes posted, 0 replies" in text, text
