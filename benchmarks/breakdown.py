@@ -27,9 +27,10 @@ FFN role
 On a GPU the figures come from the device timeline when the trace has one (kernels and
 copies, CUDA graphs included): the cuda_ipc connector's wait kernel is ``wait`` (``recv``
 on the FFN rank), its copies and signal/control kernels are the transfer, other kernels
-are compute, gaps with no device work are ``device idle``; each instant counts once, as
-compute if any stream computes, else transfer, else waiting (with DBO a micro-batch's
-wait kernel spins while the other computes). A step's device work starts at the earliest
+are compute, gaps with no device work are ``device idle`` (an FFN rank whose host drives
+each layer, nixl's, also gets its host spans: where that idle time went); each instant
+counts once, as compute if any stream computes, else transfer, else waiting (with DBO a
+micro-batch's wait kernel spins while the other computes). A step's device work starts at the earliest
 device span of its host step span (with DBO there is one per stream, many per step). On the CPU (and for host-staged
 connectors) they come from the ``afd.*`` annotations of vllm/afd (``afd.send``,
 ``afd.ffn_wait``, ``afd.recv``, ``afd.ffn_compute``, ``afd.ffn_step``).
@@ -166,6 +167,9 @@ class RoleFigures:
     layers: float  # remote layer exchanges per step (x micro-batches with DBO)
     per_step: dict[str, float] = field(default_factory=dict)
     windows: list[tuple[float, float]] = field(default_factory=list)
+    # A host-driven FFN loop (nixl) beside its device timeline: the host's spans per step
+    # (receive, block, send and the rest), which say where the device's idle time went.
+    host: dict[str, float] = field(default_factory=dict)
 
 
 def _windows(starts: list[float]) -> list[tuple[float, float]]:
@@ -308,25 +312,29 @@ def ffn_figures(
     compute = _spans(events, "afd.ffn_compute")
     layers = sum(_count_in(compute, w) for w in wins) / served
     per_cat = _device(events)
+    host = {
+        "step": statistics.fmean(b - a for a, b in wins),
+        "compute": _mean_in(compute, wins),
+        "recv": _mean_in(_spans(events, "afd.recv"), wins),
+        "send": _mean_in(_spans(events, "afd.send"), wins),
+    }
+    host["idle"] = host["step"] - host["compute"] - host["recv"] - host["send"]
     if per_cat is not None:
         dwins = windows or _windows(_device_step_starts(events, "afd.ffn_step")) or own
-        layers = sum(_count_in(per_cat["wait"], w) for w in dwins) / len(dwins)
+        if per_cat["wait"]:  # a device-side wait (cuda_ipc) a layer; else the host's blocks
+            layers = sum(_count_in(per_cat["wait"], w) for w in dwins) / len(dwins)
         fig = _device_figures(per_cat, dwins, ("compute", "send", "recv"))
-        return RoleFigures("ffn", "device", len(dwins), layers, fig, dwins)
+        # The host's spans matter where the host drives the layers (each block a host
+        # call between a receive and a send); a step of graph replays has none.
+        return RoleFigures("ffn", "device", len(dwins), layers, fig, dwins,
+                           host if compute else {})  # fmt: skip
     if _spans(events, "afd.ffn_graph_replay") and not compute:
         raise TraceError(
             "FFN trace: the steps were CUDA graph replays and the trace has no device "
             "timeline; profile with CUDA activities, or turn the FFN graphs off "
             '(connector_extra_config {"ffn_cuda_graphs": false})'
         )
-    fig = {
-        "step": statistics.fmean(b - a for a, b in wins),
-        "compute": _mean_in(compute, wins),
-        "recv": _mean_in(_spans(events, "afd.recv"), wins),
-        "send": _mean_in(_spans(events, "afd.send"), wins),
-    }
-    fig["idle"] = fig["step"] - fig["compute"] - fig["recv"] - fig["send"]
-    return RoleFigures("ffn", "host", len(wins), layers, fig, wins)
+    return RoleFigures("ffn", "host", len(wins), layers, host, wins)
 
 
 def combine(att: RoleFigures, ffn: RoleFigures) -> dict[str, float]:
@@ -373,6 +381,10 @@ def _fmt_role(rf: RoleFigures) -> list[str]:
     ]
     for k, v in rf.per_step.items():
         lines.append(f"  {k:12s} {v:10.1f} | {v / per_layer:9.2f}")
+    if rf.host:
+        lines.append("  the host's spans meanwhile (it drives each layer):")
+        for k, v in rf.host.items():
+            lines.append(f"    host {k:7s} {v:10.1f} | {v / per_layer:9.2f}")
     return lines
 
 
@@ -399,6 +411,8 @@ def as_json(r: dict) -> dict:
             "layers_per_step": rf.layers,
             "us_per_step": rf.per_step,
         }
+        if rf.host:
+            out[k]["host_us_per_step"] = rf.host
     out["combined_us"] = r["combined"]
     out["same_windows"] = r["same_windows"]
     return out

@@ -314,3 +314,35 @@ def test_the_nixl_device_paths_kernels_are_transfer_and_its_wait_waiting():
     assert kinds == {"_copy_to_slot_kernel": "transfer", "_ring_kernel": "transfer",
                      "_copy_from_slot_kernel": "transfer", "_wait_kernel": "wait",
                      "_control_kernel": "transfer", "fused_moe_kernel": "compute"}
+
+
+def test_a_host_driven_ffn_loop_shows_its_host_spans_beside_the_device():
+    """nixl's FFN rank: no wait kernel (the host polls for the inputs), each layer a host
+    receive, block and send. Its layers are counted from the blocks, and the host's spans
+    per step are reported beside the device figures: where the device's idle time went."""
+    ev = []
+    for i in range(4):
+        t = i * 1000.0
+        ev.append(X("afd.ffn_step", t, 900))
+        for j in range(2):
+            s = t + j * 450
+            ev += [X("afd.recv", s, 100), X("afd.ffn_compute", s + 100, 50),
+                   X("afd.send", s + 150, 250),
+                   X("fused_moe_kernel", s + 120, 150, cat="kernel"),
+                   X("Memcpy DtoD (Device -> Device)", s + 270, 20, cat="gpu_memcpy")]
+    f = bd.ffn_figures(ev)
+    assert f.source == "device" and f.steps == 3 and f.layers == 2
+    assert f.per_step["compute"] == pytest.approx(300.0)
+    assert f.per_step["send"] == pytest.approx(40.0)
+    assert f.per_step["device idle"] == pytest.approx(660.0)
+    assert f.host == pytest.approx({"step": 1000.0, "compute": 100.0, "recv": 200.0,
+                                    "send": 500.0, "idle": 200.0})
+    report = bd._fmt_role(f)
+    assert any(line.split()[:2] == ["host", "send"] and line.split()[-1] == "250.00"
+               for line in report), report
+
+
+def test_ffn_graph_steps_report_no_host_spans():
+    """A step that is one CUDA graph replay (cuda_ipc) has no host-driven layers."""
+    f = bd.ffn_figures(device_trace("ffn"))
+    assert f.source == "device" and f.host == {}
