@@ -436,8 +436,8 @@ def test_validation_against_the_one_gpu_figures(capsys):
     rows = P.check_figures(data)
     checked = [abs(r["error"]) for r in rows if not r["calibration_point"]]
     assert len(checked) >= 20
-    assert statistics.median(checked) == pytest.approx(0.053, abs=0.002)
-    assert max(checked) == pytest.approx(0.247, abs=0.002)
+    assert statistics.median(checked) == pytest.approx(0.054, abs=0.002)
+    assert max(checked) == pytest.approx(0.314, abs=0.002)
     for r in rows:  # the calibration points are met, the others are predictions
         if r["calibration_point"] and r["engines"] == 2:
             assert r["error"] == pytest.approx(0.0, abs=1e-6)
