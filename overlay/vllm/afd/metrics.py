@@ -58,7 +58,6 @@ FFN role
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -68,6 +67,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing import util as mp_util
 from pathlib import Path
 
 from vllm.logger import init_logger
@@ -469,7 +469,9 @@ class AFDStats:
             return  # metrics are best effort (an unsafe directory is logged); serving goes on
         self._writer = threading.Thread(target=self._loop, name="afd-metrics", daemon=True)
         self._writer.start()
-        atexit.register(self.close)
+        # At the process's exit, in a forked multiprocessing child too (vLLM's engine
+        # core: no atexit hook runs there), after the roles' own closing (exitpriority 5).
+        mp_util.Finalize(None, self.close, exitpriority=1)
 
     def write(self) -> bool:
         name = self._name

@@ -106,3 +106,58 @@ def test_no_watch_outside_afd_or_in_a_process_not_started_by_multiprocessing():
     assert lifecycle.watch_parent(cfg, "EngineCore") is False
     assert lifecycle.watch_parent(SimpleNamespace(afd_config=None), "EngineCore") is False
     assert not any(t.name == "afd-parent-watch" for t in threading.enumerate())
+
+
+# A forked child that connects the attention role (as vLLM's engine core process does, with
+# a connector that only records) and returns: multiprocessing ends it with os._exit.
+ENGINE_CORE = textwrap.dedent("""
+    import multiprocessing, os, sys
+    from types import SimpleNamespace
+
+    import overlay_import  # the AFD modules as they are in the tree
+
+    overlay_import.install()
+
+    def child():
+        import torch
+        from vllm.afd import attention, metrics
+
+        class Connector:
+            on_failure = None
+            def connect(self): pass
+            def shares_device(self): return False
+            def close(self): print("connector closed", flush=True)
+
+        attention.create_attention_connector = lambda ctx: Connector()
+        afd = SimpleNamespace(
+            role="attention", is_attention=True, resolved_rank=lambda dp: 0, connector="gloo",
+            connector_extra_config={}, timeout_s=30.0, rejoin_timeout_s=0.0,
+        )
+        cfg = SimpleNamespace(
+            afd_config=afd,
+            parallel_config=SimpleNamespace(data_parallel_rank=0, enable_dbo=False),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+            device_config=SimpleNamespace(device=torch.device("cpu")),
+        )
+        attention.CLIENT.connect(cfg, {}, None)
+        print("snapshots", sorted(os.listdir(metrics.metrics_dir())), flush=True)
+
+    if __name__ == "__main__":
+        p = multiprocessing.get_context("fork").Process(target=child)
+        p.start()
+        p.join(60)
+        print("child exit", p.exitcode, flush=True)
+""")
+
+
+def test_a_forked_engine_core_closes_the_attention_role_when_it_exits(mdir):
+    """vLLM's engine core is a forked multiprocessing child, which ends with os._exit and
+    runs no atexit hook: the attention role's close (its goodbye to the FFN rank) and the
+    removal of its metrics snapshot run all the same, from multiprocessing's exit hook."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", ENGINE_CORE], capture_output=True, text=True,
+                         env=env, timeout=120)  # fmt: skip
+    text = out.stdout + out.stderr
+    assert "child exit 0" in text and "snapshots ['attention-0-" in text, text
+    assert "connector closed" in text, text
+    assert not list(mdir.glob("attention-0-*.json")), list(mdir.iterdir())
