@@ -32,8 +32,9 @@ each layer, nixl's, also gets its host spans: where that idle time went); each i
 counts once, as compute if any stream computes, else transfer, else waiting (with DBO a
 micro-batch's wait kernel spins while the other computes). A step's device work starts at
 the earliest device span of its host step span (with DBO there is one per stream, many per
-step). On the CPU (and for host-staged connectors) they come from the ``afd.*`` annotations of vllm/afd (``afd.send``,
-``afd.ffn_wait``, ``afd.recv``, ``afd.ffn_compute``, ``afd.ffn_step``).
+step). On the CPU (and for host-staged connectors) they come from the ``afd.*``
+annotations of vllm/afd (``afd.send``, ``afd.ffn_wait``, ``afd.recv``, ``afd.ffn_compute``,
+``afd.ffn_step``).
 
 The bound of a step: ``max(attention, FFN compute) + transfer``, with
 transfer = attention ``send`` + FFN ``send``; the gap is ``step - bound``. Without DBO a
