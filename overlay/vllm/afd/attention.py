@@ -88,9 +88,10 @@ class AttentionClient:
             raise
         self.connector = connector
         self.early_control = cfg.connector_extra_config.get("early_step_control", True)
-        # At the process's exit, in vLLM's engine core too (a forked multiprocessing child:
-        # it ends with os._exit and runs no atexit hook, but multiprocessing's exit hook);
-        # after the connector's last report (exitpriority 10, nixl's proxy).
+        # At the process's exit, in vLLM's engine core too (on a GPU host a forked
+        # multiprocessing child: it ends with os._exit and runs no atexit hook, but
+        # multiprocessing's exit hook); after the connector's last report (exitpriority
+        # 10, nixl's proxy).
         mp_util.Finalize(None, self.close, exitpriority=5)
         dbo.watch_ubatch_threads(vllm_config, rank)
         dbo.configure(vllm_config, connector.shares_device())

@@ -470,7 +470,8 @@ class AFDStats:
         self._writer = threading.Thread(target=self._loop, name="afd-metrics", daemon=True)
         self._writer.start()
         # At the process's exit, in a forked multiprocessing child too (vLLM's engine
-        # core: no atexit hook runs there), after the roles' own closing (exitpriority 5).
+        # core on a GPU host: no atexit hook runs there), after the roles' own closing
+        # (exitpriority 5).
         mp_util.Finalize(None, self.close, exitpriority=1)
 
     def write(self) -> bool:

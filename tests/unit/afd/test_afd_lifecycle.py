@@ -151,9 +151,10 @@ ENGINE_CORE = textwrap.dedent("""
 
 
 def test_a_forked_engine_core_closes_the_attention_role_when_it_exits(mdir):
-    """vLLM's engine core is a forked multiprocessing child, which ends with os._exit and
-    runs no atexit hook: the attention role's close (its goodbye to the FFN rank) and the
-    removal of its metrics snapshot run all the same, from multiprocessing's exit hook."""
+    """On a GPU host vLLM's engine core is a forked multiprocessing child (on the CPU vLLM
+    spawns it), which ends with os._exit and runs no atexit hook: the attention role's close
+    (its goodbye to the FFN rank) and the removal of its metrics snapshot run all the same,
+    from multiprocessing's exit hook."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *sys.path])}
     out = subprocess.run([sys.executable, "-c", ENGINE_CORE], capture_output=True, text=True,
                          env=env, timeout=120)  # fmt: skip
