@@ -12,6 +12,7 @@ special case.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing import util as mp_util
@@ -29,6 +30,10 @@ from vllm.distributed.afd.base import ConnectorContext, create_attention_connect
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# How long the close at the process's exit may take (its goodbye to the FFN rank): a lock
+# held by a thread stuck in an exchange must not keep the process from ending.
+CLOSE_AT_EXIT_S = 5.0
 
 
 @dataclass
@@ -92,7 +97,7 @@ class AttentionClient:
         # multiprocessing child: it ends with os._exit and runs no atexit hook, but
         # multiprocessing's exit hook); after the connector's last report (exitpriority
         # 10, nixl's proxy).
-        mp_util.Finalize(None, self.close, exitpriority=5)
+        mp_util.Finalize(None, self._close_at_exit, exitpriority=5)
         dbo.watch_ubatch_threads(vllm_config, rank)
         dbo.configure(vllm_config, connector.shares_device())
 
@@ -240,6 +245,17 @@ class AttentionClient:
         and /stop_profile on the attention server call this)."""
         if self.connector is not None:
             self.connector.profile(is_start)
+
+    def _close_at_exit(self) -> None:
+        closing = threading.Thread(target=self.close, name="afd-close", daemon=True)
+        closing.start()
+        closing.join(CLOSE_AT_EXIT_S)
+        if closing.is_alive():
+            logger.warning(
+                "AFD attention rank %s: the connection to the FFN rank did not close within "
+                "%.0f s of the process's exit; exiting without its goodbye (the FFN rank sees "
+                "a lost peer)", self.rank, CLOSE_AT_EXIT_S,
+            )  # fmt: skip
 
     def close(self) -> None:
         if self.connector is not None:

@@ -119,6 +119,7 @@ ENGINE_CORE = textwrap.dedent("""
     overlay_import.install()
 
     def child():
+        import threading
         import torch
         from vllm.afd import attention, metrics
 
@@ -126,8 +127,12 @@ ENGINE_CORE = textwrap.dedent("""
             on_failure = None
             def connect(self): pass
             def shares_device(self): return False
-            def close(self): print("connector closed", flush=True)
+            def close(self):
+                if sys.argv[1] == "hangs":  # a lock held by a thread stuck in an exchange
+                    threading.Event().wait()
+                print("connector closed", flush=True)
 
+        attention.CLOSE_AT_EXIT_S = 1.0
         attention.create_attention_connector = lambda ctx: Connector()
         afd = SimpleNamespace(
             role="attention", is_attention=True, resolved_rank=lambda dp: 0, connector="gloo",
@@ -150,15 +155,21 @@ ENGINE_CORE = textwrap.dedent("""
 """)
 
 
-def test_a_forked_engine_core_closes_the_attention_role_when_it_exits(mdir):
+@pytest.mark.parametrize("close", ["closes", "hangs"])
+def test_a_forked_engine_core_closes_the_attention_role_when_it_exits(mdir, close):
     """On a GPU host vLLM's engine core is a forked multiprocessing child (on the CPU vLLM
     spawns it), which ends with os._exit and runs no atexit hook: the attention role's close
     (its goodbye to the FFN rank) and the removal of its metrics snapshot run all the same,
-    from multiprocessing's exit hook."""
+    from multiprocessing's exit hook; a close that cannot finish (a lock held by a stuck
+    thread) delays the exit by CLOSE_AT_EXIT_S at most."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *sys.path])}
-    out = subprocess.run([sys.executable, "-c", ENGINE_CORE], capture_output=True, text=True,
-                         env=env, timeout=120)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", ENGINE_CORE, close], capture_output=True,
+                         text=True, env=env, timeout=120)  # fmt: skip
     text = out.stdout + out.stderr
     assert "child exit 0" in text and "snapshots ['attention-0-" in text, text
-    assert "connector closed" in text, text
+    if close == "closes":
+        assert "connector closed" in text, text
+    else:  # bounded: the process ends without the goodbye, and says so
+        assert "connector closed" not in text, text
+        assert "did not close within 1 s of the process's exit" in text, text
     assert not list(mdir.glob("attention-0-*.json")), list(mdir.iterdir())
