@@ -26,6 +26,7 @@ times; the test's wall time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -110,13 +111,15 @@ class RayNodes:
 
         os.makedirs("/tmp/ray", exist_ok=True)  # Ray writes the address of its last cluster there
         common = {"include_dashboard": False}
+        # PYTHONFAULTHANDLER: a stuck engine process says where it was (engine_stacks)
+        env = {"VLLM_AFD_SECRET": secret, "PYTHONFAULTHANDLER": "1"}
         self.cluster = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=4, node_ip_address=HEAD, resources={"afd_attention": 3},
             _system_config=RAY_SYSTEM_CONFIG,
-            env_vars={NODE_MARK: HEAD, "VLLM_AFD_SECRET": secret}, **common))  # fmt: skip
+            env_vars={NODE_MARK: HEAD, **env}, **common))  # fmt: skip
         self.workers = {
             ip: self.cluster.add_node(num_cpus=2, node_ip_address=ip, resources={"afd_ffn": 1},
-                                      env_vars={NODE_MARK: ip, "VLLM_AFD_SECRET": secret})
+                                      env_vars={NODE_MARK: ip, **env})
             for ip in (NODE_A, NODE_B)
         }  # fmt: skip
         self.address = self.cluster.address
@@ -190,9 +193,29 @@ def row(status: dict, server: str) -> dict:
     return next(r for r in status["servers"] if r["server"] == server)
 
 
-def assert_complete(streams: list[TokenStream], want: dict[str, list[int]]) -> int:
+def engine_stacks(servers: Path) -> str:
+    """A stream stalled or failed: SIGABRT to every engine core and worker of the deployment
+    (PYTHONFAULTHANDLER=1 on every node: each writes the tracebacks of all its threads to
+    its server's log as it ends), then those tracebacks: where a stuck process was."""
+    pids = [p for p in marked_processes() if cmdline(p).startswith("VLLM::")]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    time.sleep(3)
+    dumps = []
+    for log in sorted(servers.glob("*.log")):
+        text = log.read_text(errors="replace")
+        dumps += [f"== {log.name}\n{text[m.start():m.start() + 8000]}"
+                  for m in re.finditer("Fatal Python error: Aborted", text)]  # fmt: skip
+    return f"stacks of {len(pids)} engine processes:\n" + "\n".join(dumps)
+
+
+def assert_complete(streams: list[TokenStream], want: dict[str, list[int]],
+                    servers: Path) -> int:  # fmt: skip
     """No stream failed; each has plain vLLM's greedy tokens. Returns the tokens compared."""
     running = join_streams(streams, 300)
+    if running or any(s.result["error"] is not None for s in streams):
+        print(engine_stacks(servers))
     assert not running, [(s.srv.name, s.prompt) for s in running]
     for s in streams:
         assert s.result["error"] is None and s.result["done"], (s.srv.name, s.result)
@@ -248,7 +271,7 @@ def test_ray_deploy_node_lost_scale_down(model_dir, log_dir, monkeypatch):
         r = wait_for(ffn_back, REJOIN_TIMEOUT_S, "the FFN rank healthy on the other node", poll=0.5)
         t_healthy = time.monotonic()
         assert r["restarts"] == 1, r
-        compared = assert_complete(streams, want)
+        compared = assert_complete(streams, want, log_dir / "servers")
         rejoin = [float(m.group(1)) for a in range(2) for m in re.finditer(
             r"rejoined FFN rank 0 at .*? after ([0-9.]+) s without it",
             (log_dir / "servers" / f"attention-{a}-g1.log").read_text(errors="replace"))]  # fmt: skip
@@ -279,7 +302,8 @@ def test_ray_deploy_node_lost_scale_down(model_dir, log_dir, monkeypatch):
         st, figures["scale_to_2_s"] = cli("scale", "attention", "2", "--namespace", ns,
                                           *ray_args, env=env, timeout=300)  # fmt: skip
         assert all(not s.is_alive() for s in third), "slot 2 stopped before its streams ended"
-        figures["tokens_compared_scale"] = assert_complete(flowing + third, want)
+        figures["tokens_compared_scale"] = assert_complete(flowing + third, want,
+                                                           log_dir / "servers")
         assert row(st, "attention-2")["health"] == "stopped" and len(st["endpoints"]) == 2, st
         stopped = [e for e in st["events"] if e["what"] == "stopped"]
         assert [(e["server"], e["drained"]) for e in stopped] == [("attention-2", True)], stopped
