@@ -280,3 +280,51 @@ def test_relay_holds_a_connection_until_its_target_listens():
         relay.close()
         for e in late:
             e.kill()
+
+
+# A server that dials its relay, says hello, and says goodbye on SIGTERM (as an attention
+# rank's engine does as it exits).
+SAYS_GOODBYE = """
+import signal, socket, sys, time
+host, port = sys.argv[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=5)
+s.sendall(b"hello;")
+def bye(*_):
+    s.sendall(b"goodbye;")
+    s.close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_stopped_server_says_goodbye_through_its_relay(tmp_path):
+    """Stopping a slot (a drained scale-down) ends the server first and its relays after:
+    what the server sends as it exits (the attention rank's goodbye) reaches the FFN rank,
+    which then lets the rank go instead of logging it lost."""
+    upstream = socket.create_server(("127.0.0.1", 0))
+    got = bytearray()
+
+    def read_all():
+        conn, _ = upstream.accept()
+        conn.settimeout(30)
+        while chunk := conn.recv(100):
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read_all, daemon=True)
+    reader.start()
+    actor = actors.ServerActor("attention-0")
+    (relay,) = actor.open_relays([f"127.0.0.1:{upstream.getsockname()[1]}"], wait_s=5.0)
+    try:
+        actor.start([sys.executable, "-c", SAYS_GOODBYE, relay], {}, str(tmp_path / "s.log"),
+                    "http://127.0.0.1:1")  # fmt: skip
+        deadline = time.monotonic() + 30
+        while bytes(got) != b"hello;" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert bytes(got) == b"hello;", (bytes(got), (tmp_path / "s.log").read_text())
+        assert actor.stop(grace=10.0) == 0
+        reader.join(10)
+        assert bytes(got) == b"hello;goodbye;"
+    finally:
+        upstream.close()

@@ -234,9 +234,16 @@ class ServerActor:
         return total
 
     def stop(self, grace: float = 30.0) -> int | None:
-        """SIGTERM to the server's process group, SIGKILL to what is left after ``grace``."""
-        for r in self.relays:
-            r.close()
+        """SIGTERM to the server's process group, SIGKILL to what is left after ``grace``;
+        then the relays close: what the server sends as it exits (an attention rank's
+        goodbye, which lets the FFN rank drop it without counting a loss) still passes."""
+        try:
+            return self._stop_server(grace)
+        finally:
+            for r in self.relays:
+                r.close()
+
+    def _stop_server(self, grace: float) -> int | None:
         if self.proc is None:
             return None
         pgid = self.proc.pid
