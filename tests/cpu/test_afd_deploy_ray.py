@@ -214,7 +214,7 @@ def assert_complete(streams: list[TokenStream], want: dict[str, list[int]],
                     servers: Path) -> int:  # fmt: skip
     """No stream failed; each has plain vLLM's greedy tokens. Returns the tokens compared."""
     running = join_streams(streams, 300)
-    if running or any(s.result["error"] is not None for s in streams):
+    if running or any(s.result is None or s.result["error"] is not None for s in streams):
         print(engine_stacks(servers))
     assert not running, [(s.srv.name, s.prompt) for s in running]
     for s in streams:

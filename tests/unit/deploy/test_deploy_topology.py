@@ -327,4 +327,5 @@ def test_a_stopped_server_says_goodbye_through_its_relay(tmp_path):
         reader.join(10)
         assert bytes(got) == b"hello;goodbye;"
     finally:
+        actor.stop(grace=1.0)  # nothing left when an assertion failed
         upstream.close()
