@@ -4,24 +4,22 @@ the `vllm serve` case is tests/cpu/test_afd_orphans.py)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
 import pytest
+from overlay_import import child_env
 
 from vllm.afd import lifecycle
 
 ORPHAN_EXIT_S = 5.0
 
-TESTS_DIR = Path(__file__).resolve().parents[2]
 
 # A parent that starts a forked child which installs the watch (as an engine core or a
 # worker of an AFD server does) and then blocks; the parent prints the child's pid.
@@ -68,9 +66,8 @@ def gone(proc: psutil.Process) -> bool:
 
 
 def test_a_watched_child_ends_when_its_parent_is_killed(mdir):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *sys.path])}
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE,
-                              text=True, env=env)  # fmt: skip
+                              text=True, env=child_env())  # fmt: skip
     child = None
     try:
         pid, watching = parent.stdout.readline().split()
@@ -162,9 +159,8 @@ def test_a_forked_engine_core_closes_the_attention_role_when_it_exits(mdir, clos
     (its goodbye to the FFN rank) and the removal of its metrics snapshot run all the same,
     from multiprocessing's exit hook; a close that cannot finish (a lock held by a stuck
     thread) delays the exit by CLOSE_AT_EXIT_S at most."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *sys.path])}
     out = subprocess.run([sys.executable, "-c", ENGINE_CORE, close], capture_output=True,
-                         text=True, env=env, timeout=120)  # fmt: skip
+                         text=True, env=child_env(), timeout=120)  # fmt: skip
     text = out.stdout + out.stderr
     assert "child exit 0" in text and "snapshots ['attention-0-" in text, text
     if close == "closes":
