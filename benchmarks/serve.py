@@ -32,6 +32,11 @@ sizes, ``afd`` (and ``afd_dbo``) M attention servers (ranks 0..M-1) of one FFN s
 one server M times that), all at the same time, figures summed. On CUDA every server shares
 the attention GPU under ``--mps``. ``--ffn-schedule join,pingpong,auto`` runs every AFD mode
 once per FFN schedule (``afd_pingpong``...: docs/ping-pong.md).
+``--batches B1,B2,...`` measures every mode at several batch sizes against the same
+servers, started once: at each size B every server a client talks to is sent B requests at
+once (B warm-ups first), plain_one M x B; the servers must admit the largest B
+(``--max-num-seqs``). A server start (compilation, CUDA graphs, for AFD every rank's graphs
+with the FFN rank's) takes minutes on a GPU host, a measurement seconds.
 Figures per mode, from ``vllm bench serve``'s result: output tokens/s, requests/s, mean and
 median TPOT and TTFT, the duration; the table gives each against plain, against
 ``plain_one`` where it ran, and against the roofline of a decode step at the mode's
@@ -139,6 +144,18 @@ def server_args(a) -> list[str]:
     args = ["--load-format", a.load_format, "--seed", "0", "--no-enable-prefix-caching",
             "--max-model-len", str(a.input_len + a.output_len + 16)]
     return args + shlex.split(a.serve_args or "")
+
+
+def server_flag(args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag N`` or ``--flag=N``, the last one given) in server
+    arguments, or None."""
+    val = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            val = args[i + 1]
+        elif arg.startswith(flag + "="):
+            val = arg.split("=", 1)[1]
+    return val
 
 
 def scaled_args(args: list[str], factor: int) -> list[str]:
@@ -277,23 +294,42 @@ def combine(results: list[dict]) -> dict:
     return out
 
 
-def measure(a, mode: str, work: Path) -> dict:
+def at_batch(a, batch: int) -> argparse.Namespace:
+    """The arguments of one measurement at ``batch`` (``--batches``): B requests per server
+    at once and, unless ``--warmups`` was given, B warm-ups."""
+    return argparse.Namespace(**{**vars(a), "num_prompts": batch, "max_concurrency": None,
+                                 "warmups": batch if a.batch_warmups is None
+                                 else a.batch_warmups})
+
+
+def measure(a, mode: str, work: Path, report) -> None:
+    """Start a mode's servers once and measure them at each of ``a.batches`` (one
+    measurement at ``--num-prompts`` without ``--batches``), calling ``report(batch, fig)``
+    after each; an AFD figure lists the FFN server's graph captures since the one before
+    (the first's include the servers' start)."""
     servers = servers_for(a, mode, work)
     n = client_count(a, mode)
+    seen = 0
     try:
-        results = run_clients(a, mode, servers[:n], work)
-        for srv in servers:
-            srv.check_alive()
+        for batch in a.batches or [None]:
+            at = a if batch is None else at_batch(a, batch)
+            out = work if batch is None else work / f"b{batch}"
+            out.mkdir(parents=True, exist_ok=True)
+            results = run_clients(at, mode, servers[:n], out)
+            for srv in servers:
+                srv.check_alive()
+            fig = combine(results)
+            if mode.startswith("afd"):
+                text = servers[n].log_path.read_text(errors="replace")
+                fig["ffn_graph_captures"] = ffn_captures(text[seen:])
+                seen = len(text)
+            want = at.num_prompts * len(results) * load_factor(a, mode)
+            if int(fig.get("completed", 0)) != want:
+                raise BenchError(f"{mode}: {int(fig.get('completed', 0))} of {want} requests "
+                                 "completed" + (f" at batch {batch}" if batch else ""))
+            report(at.num_prompts, fig)
     finally:
         su.stop_servers(servers)
-    fig = combine(results)
-    if mode.startswith("afd"):
-        fig["ffn_graph_captures"] = ffn_captures(
-            servers[n].log_path.read_text(errors="replace"))
-    want = a.num_prompts * len(results) * load_factor(a, mode)
-    if int(fig.get("completed", 0)) != want:
-        raise BenchError(f"{mode}: {fig.get('completed')} of {want} requests completed")
-    return fig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -302,9 +338,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-format", default="auto", help="'dummy' for real shapes, no weights")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--modes", default="plain,afd", help=f"comma list of {', '.join(MODES)}")
-    p.add_argument("--num-prompts", type=int, default=8, help="requests per server")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per server (default 8)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight per server (default: all of them)")
+    p.add_argument("--batches", metavar="B1,B2,...",
+                   help="measure every mode at each batch size against the same servers, "
+                   "started once: B requests per server at once (plain_one M x B), B "
+                   "warm-ups unless --warmups; instead of --num-prompts and "
+                   "--max-concurrency; the servers must admit the largest (--max-num-seqs)")
     p.add_argument("--warmups", type=int, default=None,
                    help="warm-up requests per server before the measured ones, sent at once "
                    "(default: as many as --num-prompts, so that the warm-up meets the run's "
@@ -376,6 +418,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--modes plain_x2 needs two GPUs (--device cuda, --attention-gpu and "
                 "--ffn-gpu different) or --mps: two time-sliced replicas on one device "
                 "measure nothing useful")
+    a.batch_warmups = a.warmups
+    if a.batches is not None:
+        try:
+            a.batches = sorted({int(b) for b in a.batches.split(",")})
+        except ValueError:
+            a.batches = []
+        if not a.batches or a.batches[0] < 1:
+            p.error(f"--batches {a.batches!r}: a comma list of positive integers")
+        if a.num_prompts is not None or a.max_concurrency is not None:
+            p.error("--batches sets the requests per server (B at once): drop "
+                    "--num-prompts and --max-concurrency")
+        a.num_prompts = a.batches[-1]
+        seqs = server_flag(shlex.split(a.serve_args or ""), "--max-num-seqs")
+        if seqs is not None and int(seqs) < a.batches[-1]:
+            p.error(f"--batches {a.batches[-1]} with --max-num-seqs {seqs}: a server would "
+                    f"run at most {seqs} of the {a.batches[-1]} requests at once")
+    elif a.num_prompts is None:
+        a.num_prompts = 8
     if a.num_prompts < 1 or a.input_len < 1 or a.output_len < 2:
         p.error("--num-prompts and --input-len must be at least 1, --output-len at least 2")
     if not Path(a.model).is_dir():
@@ -398,7 +458,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     su.install_cleanup()
-    print(f"model {a.model} ({a.load_format}), device {a.device}, {a.num_prompts} requests "
+    count = (f"batches {','.join(map(str, a.batches))}: B" if a.batches
+             else str(a.num_prompts))
+    print(f"model {a.model} ({a.load_format}), device {a.device}, {count} requests "
           f"of {a.input_len} + {a.output_len} tokens per server, engines {a.engines}, "
           f"connector {a.connector}, FFN schedule(s) {a.ffn_schedule}, "
           f"routing {a.routing}; GPU sharing: {'MPS' if a.mps else 'time-sliced (no MPS)'}; "
@@ -418,38 +480,73 @@ def main(argv: list[str] | None = None) -> int:
         for rnd, mode in su.rounds_of(a.modes, a.rounds):
             name = mode if a.rounds == 1 else f"{mode}-{rnd + 1}"
             print(f"{name}:", flush=True)
-            t0 = time.perf_counter()
+            report = Reporter(a, results, model, card, mode, rnd, name)
             try:
-                fig = measure(a, mode, work / name)
+                measure(a, mode, work / name, report)
             except (BenchError, su.ServerDied) as e:
                 print(f"{name} failed: {e}", file=sys.stderr, flush=True)
+                print_table(a, results)
                 return 1
-            fig.update(mode=mode, round=rnd, wall_s=time.perf_counter() - t0)
-            if card is not None and (b := serve_bound(a, mode, model, card)) is not None:
-                fig.update(bound_tok_s=b.tok_s, of_bound=fig["output_throughput"] / b.tok_s,
-                           bound_step_s=b.step_s)
-            results.append(fig)
-            write_json(a, results)  # each run as it ends: a run cut short keeps them
-            print(f"  {name:9s} output {fig['output_throughput']:9.1f} tok/s  "
-                  f"TPOT mean {fig.get('mean_tpot_ms', float('nan')):7.2f} ms  "
-                  f"TTFT mean {fig.get('mean_ttft_ms', float('nan')):8.1f} ms  "
-                  f"({fig['wall_s']:.0f} s)", flush=True)
-            if "ffn_graph_captures" in fig:
-                caps = fig["ffn_graph_captures"]
-                print(f"  {name:9s} FFN graphs captured over the FFN server's life: "
-                      f"{len(caps)}, {sum(c['ms'] for c in caps):.0f} ms in all"
-                      + "".join(f"; {c['step']} {c['ms']:.1f} ms" for c in caps), flush=True)
     print_table(a, results)
     return 0
 
 
+class Reporter:
+    """Records and prints each figure of one run of a mode as it comes (``measure``'s
+    ``report``): its batch, its seconds since the one before (the first's include the
+    servers' start), its roofline; the JSON is rewritten each time, so a run cut short keeps
+    the figures it had."""
+
+    def __init__(self, a, results: list[dict], model, card, mode: str, rnd: int, name: str):
+        self.a, self.results, self.model, self.card = a, results, model, card
+        self.mode, self.rnd, self.name = mode, rnd, name
+        self.t0 = time.perf_counter()
+
+    def __call__(self, batch: int, fig: dict) -> None:
+        a, now = self.a, time.perf_counter()
+        fig.update(mode=self.mode, round=self.rnd, batch=batch, wall_s=now - self.t0)
+        self.t0 = now
+        at = at_batch(a, batch) if a.batches else a
+        if self.card is not None and (
+                b := serve_bound(at, self.mode, self.model, self.card)) is not None:
+            fig.update(bound_tok_s=b.tok_s, bound_step_s=b.step_s,
+                       of_bound=fig["output_throughput"] / b.tok_s)
+        self.results.append(fig)
+        write_json(a, self.results)
+        label = f"{self.name} b{batch}" if a.batches else self.name
+        print(f"  {label:9s} output {fig['output_throughput']:9.1f} tok/s  "
+              f"TPOT mean {fig.get('mean_tpot_ms', float('nan')):7.2f} ms  "
+              f"TTFT mean {fig.get('mean_ttft_ms', float('nan')):8.1f} ms  "
+              f"({fig['wall_s']:.0f} s)", flush=True)
+        if "ffn_graph_captures" in fig:
+            caps = fig["ffn_graph_captures"]
+            print(f"  {label:9s} FFN graphs captured "
+                  + ("over the FFN server's life" if not a.batches
+                     else "since the last figure (the first: since the start)")
+                  + f": {len(caps)}, {sum(c['ms'] for c in caps):.0f} ms in all"
+                  + "".join(f"; {c['step']} {c['ms']:.1f} ms" for c in caps), flush=True)
+
+
 def median_runs(results: list[dict], modes: list[str]) -> dict[str, dict]:
-    """Each mode's median run by output throughput (su.median_run)."""
-    return {m: su.median_run([r for r in results if r["mode"] == m],
-                             lambda r: r["output_throughput"]) for m in modes}  # fmt: skip
+    """Each mode's median run by output throughput (su.median_run); modes without a run
+    (a run cut short) left out."""
+    return {m: su.median_run(runs, lambda r: r["output_throughput"])
+            for m in modes if (runs := [r for r in results if r["mode"] == m])}
 
 
 def print_table(a, results: list[dict]) -> None:
+    """A table per batch size (``--batches``; one without)."""
+    for batch in a.batches or [None]:
+        runs = [r for r in results if batch is None or r.get("batch") == batch]
+        if runs:
+            if batch is not None:
+                print(f"\nbatch {batch} a server" + (
+                    f" ({a.engines * batch} requests at once in all)" if a.engines > 1
+                    else ""), end="")
+            print_batch_table(a, runs)
+
+
+def print_batch_table(a, results: list[dict]) -> None:
     """Each mode's median run: output tok/s against plain and, where it ran, against the
     one server of plain_x2's load (``plain_one``), TPOT, TTFT, and the decode roofline at
     the mode's concurrency with the output rate as a fraction of it."""

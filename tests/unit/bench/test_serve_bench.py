@@ -131,3 +131,73 @@ def test_engines_m_starts_replicas_one_server_and_ma1f_per_schedule(tmp_path, mo
     assert bench.load_factor(one, "plain_one") == 2
     assert [s.name for s in bench.servers_for(one, "afd", tmp_path)] == ["afd_attention",
                                                                        "afd_ffn"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batches", "0,16"], r"--batches .*a comma list of positive integers"),
+        (["--batches", "16,x"], r"--batches .*a comma list of positive integers"),
+        (["--batches", "16", "--num-prompts", "4"], r"drop --num-prompts and --max-concurrency"),
+        (["--batches", "16", "--max-concurrency", "4"], r"drop --num-prompts"),
+        (["--batches", "16,256", "--serve-args", "--dtype bfloat16 --max-num-seqs=64"],
+         r"--batches 256 with --max-num-seqs 64: a server would run at most 64"),
+    ],
+)
+def test_bad_batches_are_refused(args, message, tmp_path):
+    test_bad_arguments_are_refused(args, message, tmp_path)
+
+
+def test_batches_measure_every_size_against_servers_started_once(tmp_path, monkeypatch):
+    """--batches 64,16: each mode's servers start once and are measured at 16 then 64 (B
+    requests per client at once, B warm-ups, plain_one M x B); each AFD figure lists the
+    FFN server's captures since the figure before; a short count at one size fails."""
+    import serve as bench  # benchmarks/serve.py
+
+    import serve_util as su
+
+    a = bench.parse_args(["--model", str(tmp_path), "--engines", "2", "--modes",
+                          "plain_one,afd", "--batches", "64,16",
+                          "--serve-args", "--max-num-seqs 64"])
+    assert a.batches == [16, 64] and a.num_prompts == 64
+    started, stopped, asked = [], [], []
+    ffn_log = tmp_path / "ffn.log"
+    ffn_log.write_text("captured a CUDA graph for step (0, 1) in 30.0 ms\n")
+
+    def servers_for(a, mode, work):
+        started.append(mode)
+        names = ["plain_one"] if mode == "plain_one" else ["attn_0", "attn_1", "ffn"]
+        return [_Started(n, None, 1, ffn_log) for n in names]
+
+    def run_clients(at, mode, clients, work):
+        asked.append((mode, at.num_prompts, at.warmups, at.max_concurrency, work.name))
+        cmd = bench.bench_command(at, "http://x", work, "r", bench.load_factor(at, mode))
+        sent = int(cmd[cmd.index("--num-prompts") + 1])
+        assert cmd[cmd.index("--max-concurrency") + 1] == str(sent)
+        assert cmd[cmd.index("--num-warmups") + 1] == str(sent)
+        if mode == "afd":  # the FFN server captures a graph while serving
+            with ffn_log.open("a") as f:
+                f.write(f"captured a CUDA graph for step ({at.num_prompts},) in 5.0 ms\n")
+        lost = 1 if (mode, at.num_prompts) == ("afd", 64) and short else 0
+        return [{"completed": sent - lost, "output_throughput": 100.0 * sent}
+                for _ in clients]
+
+    monkeypatch.setattr(bench, "servers_for", servers_for)
+    monkeypatch.setattr(bench, "run_clients", run_clients)
+    monkeypatch.setattr(_Started, "check_alive", lambda self: None, raising=False)
+    monkeypatch.setattr(su, "stop_servers", lambda servers: stopped.append(len(servers)))
+    short, figs = False, []
+    for mode in a.modes:
+        bench.measure(a, mode, tmp_path / mode, lambda b, fig: figs.append((b, fig)))
+    assert started == ["plain_one", "afd"] and stopped == [1, 3]
+    assert [x[:4] for x in asked] == [("plain_one", 16, 16, None), ("plain_one", 64, 64, None),
+                                      ("afd", 16, 16, None), ("afd", 64, 64, None)]
+    assert [x[4] for x in asked] == ["b16", "b64"] * 2
+    assert [(b, f["completed"]) for b, f in figs] == [(16, 32), (64, 128), (16, 32),
+                                                      (64, 128)]
+    assert [len(f.get("ffn_graph_captures", [])) for _, f in figs] == [0, 0, 2, 1]
+    assert figs[3][1]["ffn_graph_captures"] == [{"step": "(64,)", "ms": 5.0}]
+    short, figs = True, []
+    with pytest.raises(bench.BenchError, match="126 of 128 requests completed at batch 64"):
+        bench.measure(a, "afd", tmp_path / "again", lambda b, fig: figs.append(b))
+    assert figs == [16] and stopped[-1] == 3
