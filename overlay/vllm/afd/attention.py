@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from vllm.afd import compat, dbo, failure, metrics, rejoin
 from vllm.afd.protocol import AFDHandshakeError, AFDPeerError, AFDProtocolError
-from vllm.afd.roles import afd_config
+from vllm.afd.roles import EXIT_ROLE_CLOSE, afd_config
 from vllm.afd.roles import (
     graph_capture_guard as graph_capture_guard,  # patch graph-capture-guard imports it here
 )
@@ -95,9 +95,8 @@ class AttentionClient:
         self.early_control = cfg.connector_extra_config.get("early_step_control", True)
         # At the process's exit, in vLLM's engine core too (on a GPU host a forked
         # multiprocessing child: it ends with os._exit and runs no atexit hook, but
-        # multiprocessing's exit hook); after the connector's last report (exitpriority
-        # 10, nixl's proxy).
-        mp_util.Finalize(None, self._close_at_exit, exitpriority=5)
+        # multiprocessing's exit hook); after the connector's last report (nixl's proxy).
+        mp_util.Finalize(None, self._close_at_exit, exitpriority=EXIT_ROLE_CLOSE)
         dbo.watch_ubatch_threads(vllm_config, rank)
         dbo.configure(vllm_config, connector.shares_device())
 

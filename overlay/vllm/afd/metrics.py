@@ -70,6 +70,7 @@ from collections.abc import Callable
 from multiprocessing import util as mp_util
 from pathlib import Path
 
+from vllm.afd import roles
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -470,9 +471,8 @@ class AFDStats:
         self._writer = threading.Thread(target=self._loop, name="afd-metrics", daemon=True)
         self._writer.start()
         # At the process's exit, in a forked multiprocessing child too (vLLM's engine
-        # core on a GPU host: no atexit hook runs there), after the roles' own closing
-        # (exitpriority 5).
-        mp_util.Finalize(None, self.close, exitpriority=1)
+        # core on a GPU host: no atexit hook runs there), after the roles' own closing.
+        mp_util.Finalize(None, self.close, exitpriority=roles.EXIT_METRICS_REMOVAL)
 
     def write(self) -> bool:
         name = self._name

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Role helpers of AFD: the AFD configuration of a vLLM config, which role this
-process plays, and the CUDA-graph capture guard.
+process plays, the CUDA-graph capture guard, and the order of the exit hooks.
 
 Every AFD module may import this one: it imports no other AFD module but the
 configuration (``vllm.config.afd``), so the roles (``attention``,
@@ -14,6 +14,16 @@ import contextlib
 import threading
 
 from vllm.config.afd import AFDConfig
+
+# The order of the AFD exit hooks (``multiprocessing.util.Finalize`` priorities, highest
+# first). Multiprocessing's exit hook runs in the main process (at atexit) and in every
+# multiprocessing child, forked ones included: those end with ``os._exit`` and run no
+# atexit hook (vLLM's engine core on a GPU host is one). First a data plane's last report
+# (its proxy threads' figures), then the attention role's goodbye to its FFN ranks, last
+# the removal of the process's metrics snapshot (which the closing before it updates).
+EXIT_PLANE_REPORT = 10
+EXIT_ROLE_CLOSE = 5
+EXIT_METRICS_REMOVAL = 1
 
 
 def current_vllm_config():

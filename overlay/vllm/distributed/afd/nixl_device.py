@@ -38,6 +38,7 @@ from multiprocessing import util as mp_util
 
 import torch
 
+from vllm.afd import roles
 from vllm.logger import init_logger
 
 try:  # triton ships with torch's CUDA builds
@@ -327,7 +328,8 @@ class Proxy:
         # At the process's exit: multiprocessing's exit hook runs in the main process (at
         # atexit) and in a multiprocessing child, forked ones included (which end with
         # os._exit and run no atexit hook): an engine core is one.
-        self._at_exit = mp_util.Finalize(None, self._report_at_exit, exitpriority=10)
+        self._at_exit = mp_util.Finalize(None, self._report_at_exit,
+                                         exitpriority=roles.EXIT_PLANE_REPORT)
 
     def _report_at_exit(self) -> None:
         """The last report, unless the lock is not free within a second (never block the
