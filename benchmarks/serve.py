@@ -304,8 +304,8 @@ def at_batch(a, batch: int) -> argparse.Namespace:
 
 def measure(a, mode: str, work: Path, report) -> None:
     """Start a mode's servers once and measure them at each of ``a.batches`` (one
-    measurement at ``--num-prompts`` without ``--batches``), calling ``report(batch, fig)``
-    after each; an AFD figure lists the FFN server's graph captures since the one before
+    measurement at ``--num-prompts`` without ``--batches``), calling ``report(at, fig)``
+    after each (``at``: the arguments of that measurement, at_batch); an AFD figure lists the FFN server's graph captures since the one before
     (the first's include the servers' start)."""
     servers = servers_for(a, mode, work)
     n = client_count(a, mode)
@@ -327,7 +327,7 @@ def measure(a, mode: str, work: Path, report) -> None:
             if int(fig.get("completed", 0)) != want:
                 raise BenchError(f"{mode}: {int(fig.get('completed', 0))} of {want} requests "
                                  "completed" + (f" at batch {batch}" if batch else ""))
-            report(at.num_prompts, fig)
+            report(at, fig)
     finally:
         su.stop_servers(servers)
 
@@ -502,11 +502,10 @@ class Reporter:
         self.mode, self.rnd, self.name = mode, rnd, name
         self.t0 = time.perf_counter()
 
-    def __call__(self, batch: int, fig: dict) -> None:
-        a, now = self.a, time.perf_counter()
+    def __call__(self, at: argparse.Namespace, fig: dict) -> None:
+        a, batch, now = self.a, at.num_prompts, time.perf_counter()
         fig.update(mode=self.mode, round=self.rnd, batch=batch, wall_s=now - self.t0)
         self.t0 = now
-        at = at_batch(a, batch) if a.batches else a
         if self.card is not None and (
                 b := serve_bound(at, self.mode, self.model, self.card)) is not None:
             fig.update(bound_tok_s=b.tok_s, bound_step_s=b.step_s,
@@ -606,9 +605,7 @@ def roofline_setup(a):
     """The roofline's model (the served config in --dtype of --serve-args) and card (by
     --card, or the attention GPU's name); (None, None) with the reason printed."""
     serve = shlex.split(a.serve_args or "")
-    dtype = next((serve[i + 1] for i, x in enumerate(serve[:-1]) if x == "--dtype"), None)
-    dtype = next((x.split("=", 1)[1] for x in serve if x.startswith("--dtype=")), dtype)
-    model, why = roofline.model_for(str(a.model), dtype)
+    model, why = roofline.model_for(str(a.model), server_flag(serve, "--dtype"))
     card = None
     if model is not None:
         device = roofline.gpu_name(a.attention_gpu) if a.device == "cuda" else "cpu"

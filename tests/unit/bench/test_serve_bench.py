@@ -188,7 +188,8 @@ def test_batches_measure_every_size_against_servers_started_once(tmp_path, monke
     monkeypatch.setattr(su, "stop_servers", lambda servers: stopped.append(len(servers)))
     short, figs = False, []
     for mode in a.modes:
-        bench.measure(a, mode, tmp_path / mode, lambda b, fig: figs.append((b, fig)))
+        bench.measure(a, mode, tmp_path / mode,
+                      lambda at, fig: figs.append((at.num_prompts, fig)))
     assert started == ["plain_one", "afd"] and stopped == [1, 3]
     assert [x[:4] for x in asked] == [("plain_one", 16, 16, None), ("plain_one", 64, 64, None),
                                       ("afd", 16, 16, None), ("afd", 64, 64, None)]
@@ -199,5 +200,6 @@ def test_batches_measure_every_size_against_servers_started_once(tmp_path, monke
     assert figs[3][1]["ffn_graph_captures"] == [{"step": "(64,)", "ms": 5.0}]
     short, figs = True, []
     with pytest.raises(bench.BenchError, match="126 of 128 requests completed at batch 64"):
-        bench.measure(a, "afd", tmp_path / "again", lambda b, fig: figs.append(b))
+        bench.measure(a, "afd", tmp_path / "again",
+                      lambda at, fig: figs.append(at.num_prompts))
     assert figs == [16] and stopped[-1] == 3
