@@ -60,6 +60,10 @@ def test_a_rank_stopped_mid_step_is_dropped_at_its_deadline_and_the_other_served
         conn.recv(steps[0], x)
         assert time.monotonic() - t0 < 0.5 and waits == [flag[0].data_ptr()]
         pairs[1][1].sendall(Control(MSG_HEARTBEAT).pack())  # its last byte, then it stops
+        # Rank 0 now waits for this side's output and sends nothing (no heartbeats in a
+        # step). Its last byte is older than the wait on rank 1 begins (here by 0.3 s):
+        # it is not taken for silent at its own timeout_s while the FFN waits on rank 1.
+        time.sleep(0.3)
         t0 = time.monotonic()
         with pytest.raises(AFDPeerError, match="attention rank 1 at 127.0.0.1:4001 did not "
                                                "send layer data within timeout_s=2"):  # fmt: skip

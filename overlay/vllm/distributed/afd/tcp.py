@@ -1344,6 +1344,7 @@ class TCPFFNConnector(FFNConnector):
             if (peer := self.peers.get(r.rank)) is not None:
                 peer.last_step = now
                 peer.held = False  # handed out: its next bytes are read for the step
+                peer.served = 0
         return ready
 
     def _poll(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
@@ -1509,10 +1510,11 @@ class TCPFFNConnector(FFNConnector):
         """When the session of ``p`` ends unless its bytes move: timeout_s after the last
         byte either way (or the post of a message) while a posted message has not arrived
         or queued bytes are not taken; between steps timeout_s after the last byte it sent
-        (heartbeats come every second). None while it waits for this side only."""
+        (heartbeats come every second). None while it waits for this side only (a step
+        held, a message posted for it, or a layer input taken whose output is not sent)."""
         if p.tx or p.owes() or p.sends:
             return p.progress + self.timeout
-        if p.rx or p.held:
+        if p.rx or p.held or p.served:
             return None
         return p.last_seen + self.timeout
 
@@ -1842,6 +1844,7 @@ class TCPFFNConnector(FFNConnector):
                 self._await_input(p, lane)
             self.plane.recv(self._link(p), out, lane)
             p.last_seen = time.monotonic()
+            p.served += 1
             return
         self.post_recv(peer, out)
         self._wait(p, lambda: not p.owes())
@@ -1874,6 +1877,8 @@ class TCPFFNConnector(FFNConnector):
         p = self._peer(peer)
         if not self.async_io:
             self.plane.send(self._link(p), y, ubatch_of(peer.control.flags)[0])
+            p.served = max(0, p.served - 1)
+            p.last_seen = time.monotonic()  # its silence counts from now again
             return
         self.post_send(peer, y)
         self._wait(p, lambda: not p.tx and not p.sends)
