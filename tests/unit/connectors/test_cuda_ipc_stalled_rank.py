@@ -111,3 +111,35 @@ def test_the_hosts_count_follows_the_device_after_a_graph_capture(cpu_buffers, w
     assert not conn.plane.input_ready(link, 0) and box.expect == [6, 0]
     box.ctrl[0, ipc.C_DATA] = 7
     assert conn.plane.input_ready(link, 0)
+
+
+def test_a_rank_whose_layer_was_answered_is_silent_again_at_its_timeout(cpu_buffers, waits,
+                                                                        monkeypatch):
+    """A rank counts as waiting for the FFN side from its layer's inputs (the rows and the
+    router logits: two receives) to the layer's output; once the output is sent its
+    silence counts again, so a rank stopped between steps is still dropped at timeout_s."""
+    monkeypatch.setattr(kernels, "signal", lambda ctr, flag: None)
+    conn = iso._ffn(m=1)  # timeout_s 2
+    conn._make_buffers(torch.device("cpu"))
+    conn._host = torch.zeros((1, ipc.CTRL_ROWS, ipc.ROW), dtype=torch.int64)
+    conn._side = types.SimpleNamespace(synchronize=lambda: None)
+    assert iso._join(conn, 0)["status"] == "ok"
+    a, b = socket.socketpair()
+    peer = Peer(0, a, "127.0.0.1:4000")
+    conn.peers = {0: peer}
+    flag = conn.inboxes[0].ctrl[0, ipc.C_DATA :]
+    step = StepPeer(0, Control(MSG_STEP, 1, 3, 0), peer)
+    try:
+        for msg in (1, 2):  # the layer's rows, then its router logits
+            flag[0] = msg
+            conn.recv(step, torch.empty((3, 16), dtype=torch.bfloat16))
+        conn.send(step, torch.zeros((3, 16), dtype=torch.bfloat16))
+        t0 = time.monotonic()
+        while 0 in conn.peers and time.monotonic() - t0 < 5:
+            conn.pump(0.05)
+        took = time.monotonic() - t0
+        assert 0 not in conn.peers and 1.9 <= took <= 2.6, took
+        assert conn.lost[0] == "lost AFD attention rank 0 at 127.0.0.1:4000: nothing received for 2 s"
+    finally:
+        a.close()
+        b.close()

@@ -307,9 +307,10 @@ class Peer:
         # A step-control message read but not handed out yet: nothing more is read
         # from this rank until it is (its next bytes are that step's data).
         self.held = False
-        # Layer inputs of its step received by a data plane's blocking receive whose
-        # outputs are not sent yet: it waits for this side (it sends nothing meanwhile).
-        self.served = 0
+        # A layer input of its step (or its router logits) taken by a data plane's
+        # blocking receive, the layer's output not sent yet: it waits for this side
+        # (it sends nothing meanwhile).
+        self.awaits_output = False
         self.why: str | None = None  # why this session was lost
 
     def reading(self, between_steps: bool = True) -> Inbound | None:

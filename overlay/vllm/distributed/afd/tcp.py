@@ -1344,7 +1344,7 @@ class TCPFFNConnector(FFNConnector):
             if (peer := self.peers.get(r.rank)) is not None:
                 peer.last_step = now
                 peer.held = False  # handed out: its next bytes are read for the step
-                peer.served = 0
+                peer.awaits_output = False
         return ready
 
     def _poll(self, peers: list[Peer], timeout: float) -> list[StepPeer]:
@@ -1514,7 +1514,7 @@ class TCPFFNConnector(FFNConnector):
         held, a message posted for it, or a layer input taken whose output is not sent)."""
         if p.tx or p.owes() or p.sends:
             return p.progress + self.timeout
-        if p.rx or p.held or p.served:
+        if p.rx or p.held or p.awaits_output:
             return None
         return p.last_seen + self.timeout
 
@@ -1844,7 +1844,7 @@ class TCPFFNConnector(FFNConnector):
                 self._await_input(p, lane)
             self.plane.recv(self._link(p), out, lane)
             p.last_seen = time.monotonic()
-            p.served += 1
+            p.awaits_output = True
             return
         self.post_recv(peer, out)
         self._wait(p, lambda: not p.owes())
@@ -1877,7 +1877,7 @@ class TCPFFNConnector(FFNConnector):
         p = self._peer(peer)
         if not self.async_io:
             self.plane.send(self._link(p), y, ubatch_of(peer.control.flags)[0])
-            p.served = max(0, p.served - 1)
+            p.awaits_output = False
             p.last_seen = time.monotonic()  # its silence counts from now again
             return
         self.post_send(peer, y)
