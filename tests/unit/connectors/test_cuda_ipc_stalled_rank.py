@@ -113,8 +113,9 @@ def test_the_hosts_count_follows_the_device_after_a_graph_capture(cpu_buffers, w
     assert conn.plane.input_ready(link, 0)
 
 
-def test_a_rank_whose_layer_was_answered_is_silent_again_at_its_timeout(cpu_buffers, waits,
-                                                                        monkeypatch):
+def test_a_rank_whose_layer_was_answered_is_silent_again_at_its_timeout(
+    cpu_buffers, waits, monkeypatch
+):
     """A rank counts as waiting for the FFN side from its layer's inputs (the rows and the
     router logits: two receives) to the layer's output; once the output is sent its
     silence counts again, so a rank stopped between steps is still dropped at timeout_s."""
@@ -139,7 +140,9 @@ def test_a_rank_whose_layer_was_answered_is_silent_again_at_its_timeout(cpu_buff
             conn.pump(0.05)
         took = time.monotonic() - t0
         assert 0 not in conn.peers and 1.9 <= took <= 2.6, took
-        assert conn.lost[0] == "lost AFD attention rank 0 at 127.0.0.1:4000: nothing received for 2 s"
+        assert (
+            conn.lost[0] == "lost AFD attention rank 0 at 127.0.0.1:4000: nothing received for 2 s"
+        )
     finally:
         a.close()
         b.close()
