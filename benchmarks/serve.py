@@ -305,8 +305,9 @@ def at_batch(a, batch: int) -> argparse.Namespace:
 def measure(a, mode: str, work: Path, report) -> None:
     """Start a mode's servers once and measure them at each of ``a.batches`` (one
     measurement at ``--num-prompts`` without ``--batches``), calling ``report(at, fig)``
-    after each (``at``: the arguments of that measurement, at_batch); an AFD figure lists the FFN server's graph captures since the one before
-    (the first's include the servers' start)."""
+    after each (``at``: the arguments of that measurement, at_batch); an AFD figure lists
+    the FFN server's graph captures since the one before (the first's include the
+    servers' start)."""
     servers = servers_for(a, mode, work)
     n = client_count(a, mode)
     seen = 0

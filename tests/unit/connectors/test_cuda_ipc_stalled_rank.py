@@ -37,15 +37,22 @@ def waits(monkeypatch):
     return enqueued
 
 
+def _ffn_on_cpu(m: int):
+    """An FFN connector of ``m`` attention ranks (timeout_s 2) on CPU buffers, every rank
+    joined."""
+    conn = iso._ffn(m=m)
+    conn._make_buffers(torch.device("cpu"))
+    conn._host = torch.zeros((m, ipc.CTRL_ROWS, ipc.ROW), dtype=torch.int64)
+    conn._side = types.SimpleNamespace(synchronize=lambda: None)
+    for r in range(m):
+        assert iso._join(conn, r)["status"] == "ok"
+    return conn
+
+
 def test_a_rank_stopped_mid_step_is_dropped_at_its_deadline_and_the_other_served(
     cpu_buffers, waits
 ):
-    conn = iso._ffn(m=2)  # timeout_s 2
-    conn._make_buffers(torch.device("cpu"))
-    conn._host = torch.zeros((2, ipc.CTRL_ROWS, ipc.ROW), dtype=torch.int64)
-    conn._side = types.SimpleNamespace(synchronize=lambda: None)
-    for r in (0, 1):
-        assert iso._join(conn, r)["status"] == "ok"
+    conn = _ffn_on_cpu(2)
     pairs = [socket.socketpair() for _ in range(2)]
     peers = [Peer(r, pairs[r][0], f"127.0.0.1:{4000 + r}") for r in (0, 1)]
     conn.peers = {p.rank: p for p in peers}
@@ -94,11 +101,7 @@ def test_a_rank_stopped_mid_step_is_dropped_at_its_deadline_and_the_other_served
 def test_the_hosts_count_follows_the_device_after_a_graph_capture(cpu_buffers, waits):
     """A replayed graph advances the device counters only: after a capture the host reads
     them again before it compares a rank's flag with the message its receive waits for."""
-    conn = iso._ffn(m=1)
-    conn._make_buffers(torch.device("cpu"))
-    conn._host = torch.zeros((1, ipc.CTRL_ROWS, ipc.ROW), dtype=torch.int64)
-    conn._side = types.SimpleNamespace(synchronize=lambda: None)
-    iso._join(conn, 0)
+    conn = _ffn_on_cpu(1)
     box = conn.inboxes[0]
     link = ipc.Link(None, "attention rank 0", 2.0, 0, 0)
     box.ctrl[0, ipc.C_DATA] = 1
@@ -120,11 +123,7 @@ def test_a_rank_whose_layer_was_answered_is_silent_again_at_its_timeout(
     router logits: two receives) to the layer's output; once the output is sent its
     silence counts again, so a rank stopped between steps is still dropped at timeout_s."""
     monkeypatch.setattr(kernels, "signal", lambda ctr, flag: None)
-    conn = iso._ffn(m=1)  # timeout_s 2
-    conn._make_buffers(torch.device("cpu"))
-    conn._host = torch.zeros((1, ipc.CTRL_ROWS, ipc.ROW), dtype=torch.int64)
-    conn._side = types.SimpleNamespace(synchronize=lambda: None)
-    assert iso._join(conn, 0)["status"] == "ok"
+    conn = _ffn_on_cpu(1)
     a, b = socket.socketpair()
     peer = Peer(0, a, "127.0.0.1:4000")
     conn.peers = {0: peer}
